@@ -1,0 +1,1 @@
+"""graphbuild: incremental export of quantized PyTorch models."""

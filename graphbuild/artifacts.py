@@ -1,0 +1,305 @@
+"""Artifact codecs: how each stage output type is written, read and digested.
+
+A codec turns a value into :class:`Encoded`: a JSON ``meta``, a list of byte ``parts`` (each
+stored as one content-addressed blob) and children for composite values. The artifact digest
+covers exactly what the artifact holds; dependents key on it, which is what gives early
+cutoff. Nothing here unpickles: parts are raw bytes, JSON, or protobuf.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CodecError
+from .hashing import canonical_json, digest_bytes, digest_json
+
+__all__ = [
+    "Codec",
+    "Encoded",
+    "Part",
+    "register_codec",
+    "codec_for",
+    "encode",
+    "decode",
+    "FileArtifact",
+]
+
+
+@dataclass
+class Part:
+    """One blob's worth of bytes, read in place where possible."""
+
+    data: bytes | bytearray | memoryview
+    digest: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.digest:
+            self.digest = digest_bytes(self.data)
+
+    @property
+    def size(self) -> int:
+        return memoryview(self.data).nbytes
+
+
+@dataclass
+class Encoded:
+    """A value as stored: codec name, JSON meta, byte parts, child artifacts, digest."""
+
+    codec: str
+    meta: Any
+    parts: list[Part] = field(default_factory=list)
+    children: list[Encoded] = field(default_factory=list)
+    digest: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.digest:
+            self.digest = digest_json(
+                [
+                    self.codec,
+                    self.meta,
+                    [p.digest for p in self.parts],
+                    [c.digest for c in self.children],
+                ]
+            )
+
+    @property
+    def size(self) -> int:
+        return sum(p.size for p in self.parts) + sum(c.size for c in self.children)
+
+    def all_parts(self) -> list[Part]:
+        out = list(self.parts)
+        for c in self.children:
+            out.extend(c.all_parts())
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest form: everything but the bytes."""
+        return {
+            "codec": self.codec,
+            "meta": self.meta,
+            "digest": self.digest,
+            "parts": [[p.digest, p.size] for p in self.parts],
+            "children": [c.describe() for c in self.children],
+        }
+
+
+def blob_digests(description: dict[str, Any]) -> list[tuple[str, int]]:
+    """Every (blob digest, size) an artifact description references."""
+    out = [(d, s) for d, s in description["parts"]]
+    for c in description["children"]:
+        out.extend(blob_digests(c))
+    return out
+
+
+class Codec:
+    """Base class: ``name``, the ``types`` it handles, ``encode`` and ``decode``."""
+
+    name: str = ""
+    types: tuple[type, ...] = ()
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, self.types)
+
+    def encode(self, value: Any) -> Encoded:
+        raise NotImplementedError
+
+    def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
+        raise NotImplementedError
+
+
+_CODECS: list[Codec] = []
+_BY_NAME: dict[str, Codec] = {}
+
+
+def register_codec(codec: Codec, *, first: bool = True) -> Codec:
+    """Add a codec; by default it takes precedence over those registered before it."""
+    if codec.name in _BY_NAME:
+        _CODECS.remove(_BY_NAME[codec.name])
+    _BY_NAME[codec.name] = codec
+    _CODECS.insert(0 if first else len(_CODECS), codec)
+    return codec
+
+
+def codec_for(value: Any) -> Codec:
+    for codec in _CODECS:
+        if codec.accepts(value):
+            return codec
+    raise CodecError(
+        f"no artifact codec for stage outputs of type {type(value).__module__}."
+        f"{type(value).__qualname__}; return a JSON-able value, bytes, tensors, or register one "
+        "with graphbuild.artifacts.register_codec(...)"
+    )
+
+
+def encode(value: Any) -> Encoded:
+    return codec_for(value).encode(value)
+
+
+def decode(description: dict[str, Any], read_part: Callable[[str, int], bytes]) -> Any:
+    """Rebuild a value from its manifest description, reading each blob through
+    ``read_part`` (which verifies the digest)."""
+    codec = _BY_NAME.get(description["codec"])
+    if codec is None:
+        raise CodecError(f"the cache holds an artifact of unknown codec '{description['codec']}'")
+    parts = [read_part(d, s) for d, s in description["parts"]]
+    children = [decode(c, read_part) for c in description["children"]]
+    return codec.decode(description["meta"], parts, children)
+
+
+# --------------------------------------------------------------------------- built-ins
+
+
+class JsonCodec(Codec):
+    name = "json"
+    types = (dict, list, str, int, float, bool, type(None))
+
+    def accepts(self, value: Any) -> bool:
+        if not isinstance(value, self.types):
+            return False
+        try:
+            canonical_json(value)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    def encode(self, value: Any) -> Encoded:
+        text = canonical_json(value)
+        return Encoded(self.name, None, [Part(text.encode())])
+
+    def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
+        return json.loads(parts[0])
+
+
+class BytesCodec(Codec):
+    name = "bytes"
+    types = (bytes, bytearray)
+
+    def encode(self, value: Any) -> Encoded:
+        return Encoded(self.name, None, [Part(bytes(value))])
+
+    def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
+        return bytes(parts[0])
+
+
+def tensor_part(tensor: torch.Tensor) -> tuple[dict[str, Any], Part]:
+    from .fingerprint import tensor_bytes
+
+    meta = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+    return meta, Part(tensor_bytes(tensor))
+
+
+def tensor_from_part(meta: dict[str, Any], data: bytes) -> torch.Tensor:
+    dtype = getattr(torch, meta["dtype"])
+    if not data:
+        return torch.empty(meta["shape"], dtype=dtype)
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return flat.view(dtype).reshape(meta["shape"])
+
+
+class TensorCodec(Codec):
+    name = "tensor"
+    types = (torch.Tensor,)
+
+    def encode(self, value: torch.Tensor) -> Encoded:
+        meta, part = tensor_part(value)
+        return Encoded(self.name, meta, [part])
+
+    def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
+        return tensor_from_part(meta, parts[0])
+
+
+class TensorDictCodec(Codec):
+    """A dict of named tensors (a state dict, qparams): one blob per tensor, so unchanged
+    tensors are stored once across versions."""
+
+    name = "tensors"
+
+    def accepts(self, value: Any) -> bool:
+        return (
+            isinstance(value, dict)
+            and bool(value)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+        )
+
+    def encode(self, value: dict[str, torch.Tensor]) -> Encoded:
+        metas, parts = [], []
+        for name in sorted(value):
+            meta, part = tensor_part(value[name])
+            metas.append([name, meta])
+            parts.append(part)
+        return Encoded(self.name, metas, parts)
+
+    def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
+        return {name: tensor_from_part(m, data) for (name, m), data in zip(meta, parts)}
+
+
+class SequenceCodec(Codec):
+    """A tuple or list whose items are artifacts of any codec."""
+
+    name = "sequence"
+    types = (tuple, list)
+
+    def encode(self, value: Sequence[Any]) -> Encoded:
+        return Encoded(self.name, type(value).__name__, children=[encode(v) for v in value])
+
+    def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
+        return tuple(children) if meta == "tuple" else list(children)
+
+
+class MappingCodec(Codec):
+    """A dict with string keys whose values are artifacts of any codec."""
+
+    name = "mapping"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+
+    def encode(self, value: dict[str, Any]) -> Encoded:
+        keys = sorted(value)
+        return Encoded(self.name, keys, children=[encode(value[k]) for k in keys])
+
+    def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
+        return dict(zip(meta, children))
+
+
+@dataclass(frozen=True)
+class FileArtifact:
+    """A file's contents as a stage output; ``name`` is the file name it is placed under."""
+
+    name: str
+    data: bytes
+
+    @classmethod
+    def read(cls, path: str | Path) -> FileArtifact:
+        p = Path(path)
+        return cls(p.name, p.read_bytes())
+
+
+class FileCodec(Codec):
+    name = "file"
+    types = (FileArtifact,)
+
+    def encode(self, value: FileArtifact) -> Encoded:
+        return Encoded(self.name, {"name": value.name}, [Part(value.data)])
+
+    def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
+        return FileArtifact(meta["name"], bytes(parts[0]))
+
+
+# Later registrations win: the most general first.
+for _codec in (
+    SequenceCodec(),
+    MappingCodec(),
+    JsonCodec(),
+    BytesCodec(),
+    TensorCodec(),
+    TensorDictCodec(),
+    FileCodec(),
+):
+    register_codec(_codec)

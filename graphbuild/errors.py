@@ -1,0 +1,67 @@
+"""Typed errors. Library code raises these; only the CLI turns them into exit codes."""
+
+from __future__ import annotations
+
+
+class GraphbuildError(Exception):
+    """Base class of every error graphbuild raises on purpose."""
+
+
+class ConfigError(GraphbuildError):
+    """Bad configuration or usage: a missing file, an unknown key, a wrong type."""
+
+
+class PipelineError(GraphbuildError, ValueError):
+    """A pipeline that cannot be built or planned: unknown stage, cycle, bad reads."""
+
+
+class UndeclaredReadError(GraphbuildError, KeyError):
+    """A stage read a context key or input facet it did not declare in ``reads``."""
+
+    def __init__(self, stage: str, key: str, declared: tuple[str, ...]):
+        self.stage, self.key, self.declared = stage, key, declared
+        shown = ", ".join(declared) if declared else "nothing"
+        super().__init__(
+            f"stage '{stage}' read '{key}' but declares only: {shown}. "
+            f"Add '{key}' to the stage's reads= so its cache key covers it."
+        )
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+class FingerprintError(GraphbuildError, TypeError):
+    """A value graphbuild does not know how to fingerprint."""
+
+
+class CodecError(GraphbuildError, TypeError):
+    """A stage output whose type has no registered artifact codec."""
+
+
+class StageError(GraphbuildError):
+    """A stage raised; carries the stage name and the stages that ran before it."""
+
+    def __init__(self, stage: str, cause: BaseException, ran_before: tuple[str, ...] = ()):
+        self.stage, self.cause, self.ran_before = stage, cause, ran_before
+        before = f" (after: {', '.join(ran_before)})" if ran_before else ""
+        super().__init__(f"stage '{stage}' failed{before}: {type(cause).__name__}: {cause}")
+
+
+class CacheError(GraphbuildError):
+    """A cache that cannot be opened or used at all."""
+
+
+class ExportError(GraphbuildError):
+    """An export request that cannot be honoured (unknown target, bad model name...)."""
+
+
+class UnknownQuantizerError(ExportError):
+    """A quantization op in the graph that no recogniser handles."""
+
+
+class SkeletonValueError(ExportError):
+    """The ONNX skeleton would depend on weight values (breaks structure/value separation)."""
+
+
+class NumericsError(ExportError):
+    """The exported model disagrees with the torch model beyond tolerance."""

@@ -1,0 +1,304 @@
+"""The pipeline: a DAG of stages with FastForward's manipulation API.
+
+A stage is ``fn(inputs, sample_inputs, context)``; ``inputs`` is the tuple of its
+dependencies' outputs in the order they were declared (the pipeline input for a root stage).
+``reads`` names what the stage's output depends on besides its inputs: context keys
+(``"ctx.opset"``) and facets of the pipeline input (``"input.structure"``, ``"input.state"``,
+``"samples.spec"``, ``"samples.values"``). ``None`` means "everything", conservatively.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import networkx as nx
+
+from .errors import PipelineError
+from .fingerprint import FACETS
+
+if TYPE_CHECKING:
+    from .cache import Cache
+    from .scheduler import RunResult
+
+StageFn = Callable[[Any, Any, Any], Any]
+
+_READ_PREFIXES = ("ctx.", "input.", "samples.")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage's definition: what it computes and what it declares it reads."""
+
+    name: str
+    fn: StageFn
+    capture_output: bool = False
+    reads: tuple[str, ...] | None = None
+    version: str | None = None
+
+
+def _check_reads(name: str, reads: Iterable[str] | None) -> tuple[str, ...] | None:
+    if reads is None:
+        return None
+    if isinstance(reads, str):
+        reads = (reads,)
+    out = tuple(dict.fromkeys(reads))
+    for r in out:
+        if r == "input":
+            continue
+        if not r.startswith(_READ_PREFIXES) or (
+            not r.startswith("ctx.") and r not in FACETS and r != "samples"
+        ):
+            raise PipelineError(
+                f"stage '{name}' declares unknown read '{r}'; use 'ctx.<key>', 'input', "
+                f"'samples' or one of: {', '.join(FACETS)}"
+            )
+    return out
+
+
+class StageRef:
+    """Handle to a registered stage, returned by ``register_stage`` and ``get_stage``."""
+
+    def __init__(self, pipeline: Pipeline, name: str):
+        self._pipeline = pipeline
+        self.name = name
+
+    @property
+    def stage(self) -> Stage:
+        return self._pipeline._stage(self.name)
+
+    def depends_on(self, *stages: StageRef | str) -> StageRef:
+        """Add dependencies in the given order (their outputs become ``inputs``)."""
+        for dep in stages:
+            self._pipeline.add_dependency(self.name, dep)
+        return self
+
+    @property
+    def dependencies(self) -> list[str]:
+        return self._pipeline.dependencies(self.name)
+
+    def __repr__(self) -> str:
+        return f"StageRef({self.name!r})"
+
+
+def _name(stage: StageRef | str) -> str:
+    return stage.name if isinstance(stage, StageRef) else stage
+
+
+class Pipeline:
+    """A DAG of stages on a networkx DiGraph (edge ``dep -> stage``)."""
+
+    def __init__(self, pipeline_kwargs: Mapping[str, Any] | None = None, name: str = "pipeline"):
+        self.pipeline_kwargs: dict[str, Any] = dict(pipeline_kwargs or {})
+        self.name = name
+        self.graph = nx.DiGraph()
+        self._order = itertools.count()
+
+    # ----------------------------------------------------------------- building
+
+    def register_stage(
+        self,
+        fn: StageFn,
+        name: str | None = None,
+        *,
+        capture_stage_output: bool = False,
+        reads: Iterable[str] | None = None,
+        version: str | None = None,
+    ) -> StageRef:
+        """Add a stage; ``name`` defaults to the function's name."""
+        name = name or getattr(fn, "__name__", None)
+        if not name:
+            raise PipelineError("a stage needs a name")
+        if name in self.graph:
+            raise PipelineError(f"a stage named '{name}' is already registered")
+        stage = Stage(name, fn, capture_stage_output, _check_reads(name, reads), version)
+        self.graph.add_node(name, stage=stage, index=next(self._order))
+        return StageRef(self, name)
+
+    def get_stage(self, name: str) -> StageRef:
+        self._stage(name)
+        return StageRef(self, name)
+
+    def _stage(self, name: str) -> Stage:
+        try:
+            return self.graph.nodes[name]["stage"]
+        except KeyError:
+            known = ", ".join(self.graph.nodes) or "none"
+            raise KeyError(f"no stage named '{name}' (stages: {known})") from None
+
+    @property
+    def stages(self) -> list[Stage]:
+        return [self._stage(n) for n in self.order()]
+
+    def dependencies(self, name: str) -> list[str]:
+        """A stage's dependencies in input order."""
+        self._stage(name)
+        edges = self.graph.in_edges(name, data="order")
+        return [u for u, _, _ in sorted(edges, key=lambda e: e[2])]
+
+    def dependents(self, name: str) -> list[str]:
+        self._stage(name)
+        return sorted(self.graph.successors(name), key=lambda n: self.graph.nodes[n]["index"])
+
+    def add_dependency(self, stage: StageRef | str, dependency: StageRef | str) -> None:
+        """Make ``stage`` read ``dependency``'s output (idempotent; a cycle is refused)."""
+        s, d = _name(stage), _name(dependency)
+        self._stage(s)
+        self._stage(d)
+        if self.graph.has_edge(d, s):
+            return
+        if s == d or nx.has_path(self.graph, s, d):
+            raise ValueError(f"adding dependency '{s}' -> '{d}' would create a cycle")
+        self.graph.add_edge(d, s, order=next(self._order))
+
+    def remove_dependency(self, stage: StageRef | str, dependency: StageRef | str) -> None:
+        s, d = _name(stage), _name(dependency)
+        if not self.graph.has_edge(d, s):
+            raise KeyError(f"stage '{s}' does not depend on '{d}'")
+        self.graph.remove_edge(d, s)
+
+    def insert_stage_before(
+        self,
+        target: StageRef | str,
+        fn: StageFn,
+        name: str | None = None,
+        *,
+        depends_on: Iterable[StageRef | str] | None = None,
+        reads: Iterable[str] | None = None,
+        version: str | None = None,
+        capture_stage_output: bool = False,
+    ) -> StageRef:
+        """Add a stage before ``target``. By default it takes the target's dependencies and
+        the target depends only on it; with ``depends_on``, only those edges are made and the
+        target is left as it is."""
+        t = _name(target)
+        self._stage(t)
+        ref = self.register_stage(
+            fn, name, capture_stage_output=capture_stage_output, reads=reads, version=version
+        )
+        if depends_on is not None:
+            ref.depends_on(*depends_on)
+            return ref
+        for dep in self.dependencies(t):
+            self.graph.remove_edge(dep, t)
+            self.graph.add_edge(dep, ref.name, order=next(self._order))
+        self.graph.add_edge(ref.name, t, order=next(self._order))
+        return ref
+
+    def insert_stage_after(
+        self,
+        target: StageRef | str,
+        fn: StageFn,
+        name: str | None = None,
+        *,
+        reads: Iterable[str] | None = None,
+        version: str | None = None,
+        capture_stage_output: bool = False,
+    ) -> StageRef:
+        """Add a stage reading ``target``; every dependent of ``target`` now reads the new
+        stage instead, in the same input position."""
+        t = _name(target)
+        self._stage(t)
+        dependents = [(v, self.graph.edges[t, v]["order"]) for v in self.graph.successors(t)]
+        ref = self.register_stage(
+            fn, name, capture_stage_output=capture_stage_output, reads=reads, version=version
+        )
+        for v, order in dependents:
+            self.graph.remove_edge(t, v)
+            self.graph.add_edge(ref.name, v, order=order)
+        self.graph.add_edge(t, ref.name, order=next(self._order))
+        return ref
+
+    def replace_stage(
+        self,
+        target: StageRef | str,
+        fn: StageFn,
+        name: str | None = None,
+        *,
+        reads: Iterable[str] | None = None,
+        version: str | None = None,
+    ) -> StageRef:
+        """Swap a stage's function (and optionally its name), keeping its edges and its
+        capture flag. ``reads`` and ``version`` describe the new function."""
+        t = _name(target)
+        old = self._stage(t)
+        new_name = name or t
+        stage = replace(
+            old, name=new_name, fn=fn, reads=_check_reads(new_name, reads), version=version
+        )
+        if new_name != t:
+            if new_name in self.graph:
+                raise PipelineError(f"a stage named '{new_name}' is already registered")
+            nx.relabel_nodes(self.graph, {t: new_name}, copy=False)
+        self.graph.nodes[new_name]["stage"] = stage
+        return StageRef(self, new_name)
+
+    def remove_stage(self, target: StageRef | str) -> None:
+        t = _name(target)
+        self._stage(t)
+        if list(self.graph.successors(t)):
+            raise PipelineError(
+                f"stage '{t}' has dependents ({', '.join(self.dependents(t))}); "
+                "remove those dependencies first"
+            )
+        self.graph.remove_node(t)
+
+    # ----------------------------------------------------------------- planning
+
+    def order(self) -> list[str]:
+        """Topological order, ties broken by registration order (deterministic)."""
+        try:
+            return list(
+                nx.lexicographical_topological_sort(
+                    self.graph, key=lambda n: self.graph.nodes[n]["index"]
+                )
+            )
+        except nx.NetworkXUnfeasible as err:  # pragma: no cover - add_dependency refuses cycles
+            raise PipelineError(f"the pipeline has a cycle: {err}") from err
+
+    def roots(self) -> list[str]:
+        return [n for n in self.order() if self.graph.in_degree(n) == 0]
+
+    def sinks(self) -> list[str]:
+        return [n for n in self.order() if self.graph.out_degree(n) == 0]
+
+    # ----------------------------------------------------------------- running
+
+    def run(
+        self,
+        pipeline_input: Any,
+        sample_inputs: Any = (),
+        *,
+        context: Mapping[str, Any] | None = None,
+        cache: Cache | None = None,
+        force: Iterable[str] | bool = (),
+        listeners: Iterable[Callable[[Any], None]] = (),
+        run_id: str | None = None,
+    ) -> RunResult:
+        """Build: run the dirty stages, take the rest from ``cache`` (None: no cache)."""
+        from .scheduler import run_pipeline
+
+        return run_pipeline(
+            self,
+            pipeline_input,
+            sample_inputs,
+            context={**self.pipeline_kwargs, **(context or {})},
+            cache=cache,
+            force=force,
+            listeners=listeners,
+            run_id=run_id or self.name,
+        )
+
+    def __call__(self, module: Any, sample_inputs: Any = ()) -> tuple[dict, dict]:
+        """FastForward-style call: ``(captured_outputs, eval_results)`` with no cache;
+        ``eval_results`` are the outputs of the stages nothing depends on."""
+        result = self.run(module, sample_inputs)
+        return dict(result.captured), {n: result.outputs[n] for n in self.sinks()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.graph
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.name!r}, stages={self.order()})"

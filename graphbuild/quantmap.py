@@ -1,0 +1,129 @@
+"""The quant map: what each quantizer in a graph is, apart from its values.
+
+``normalize`` produces a :class:`QuantMap` (structure: bits, grid, axis, which tensor) and a
+:class:`QuantValues` (scales and zero points). Keeping them apart is what lets a retuned scale
+skip tracing and ONNX conversion (DESIGN.md, invariant 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    """Where a quantizer's scale or zero point comes from.
+
+    ``kind`` is ``"state"`` (a parameter or buffer of the exported program, by name),
+    ``"constant"`` (a lifted tensor constant of the program, by name) or ``"literal"`` (a
+    number written into the graph; ``name`` is then ``"<node>:<arg index>"``).
+    """
+
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One quantizer: ``x = scale * (q - zero_point)`` with ``q`` in ``[qmin, qmax]``.
+
+    ``bits`` is the grid's width as QNN counts it (``bw``); ``signed`` says whether the grid
+    sits in a signed container. ``axis`` is the channel axis (per-channel and blocked);
+    ``block_size`` the block length along ``axis`` (blocked only). ``param`` names the state
+    tensor the quantizer acts on when it quantizes a weight or buffer, else ``None``.
+    ``symmetric`` is ``None`` when only the values can tell (zero point at the grid's centre).
+    """
+
+    qid: int
+    bits: int
+    signed: bool
+    qmin: int
+    qmax: int
+    axis: int | None = None
+    block_size: int | None = None
+    param: str | None = None
+    op: str = ""
+    node: str = ""
+    scale: ValueRef | None = None
+    zero_point: ValueRef | None = None
+    symmetric: bool | None = None
+
+    @property
+    def granularity(self) -> str:
+        if self.block_size is not None:
+            return "PER_BLOCK"
+        return "PER_TENSOR" if self.axis is None else "PER_CHANNEL"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> QuantSpec:
+        data = dict(data)
+        for key in ("scale", "zero_point"):
+            if data.get(key) is not None:
+                data[key] = ValueRef(**data[key])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class QuantMap:
+    """Every quantizer of a graph, by ``qid`` (0..n-1 in graph order)."""
+
+    specs: tuple[QuantSpec, ...] = ()
+
+    def __iter__(self) -> Iterator[QuantSpec]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __getitem__(self, qid: int) -> QuantSpec:
+        return self.specs[qid]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"quantizers": [s.to_json() for s in self.specs]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> QuantMap:
+        return cls(tuple(QuantSpec.from_json(s) for s in data["quantizers"]))
+
+
+@dataclass(frozen=True)
+class QParams:
+    """A quantizer's values: ``scale`` float32 and ``zero_point`` int64, both 1-D for
+    per-tensor (one element) and per-channel; blocked keeps the weight's rank."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+
+
+@dataclass
+class QuantValues:
+    """Scales and zero points by ``qid``."""
+
+    values: dict[int, QParams] = field(default_factory=dict)
+
+    def __getitem__(self, qid: int) -> QParams:
+        return self.values[qid]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for qid, p in sorted(self.values.items()):
+            out[f"{qid}.scale"] = p.scale
+            out[f"{qid}.zero_point"] = p.zero_point
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> QuantValues:
+        qids = sorted({int(k.split(".")[0]) for k in tensors})
+        return cls(
+            {q: QParams(tensors[f"{q}.scale"], tensors[f"{q}.zero_point"]) for q in qids}
+        )

@@ -1,0 +1,625 @@
+"""Scheduler and rebuilder: which stages run, in which order, and why.
+
+A topological scheduler with constructive traces: each stage's key hashes its code, its
+declared reads and the digests of its upstream outputs; a key with a valid cache entry is a
+hit and nothing is loaded unless a dirty dependent needs it (laziness). A stage that reruns
+and reproduces its previous output digest leaves its dependents clean (early cutoff), because
+dependents key on output digests, not on upstream keys.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import importlib.metadata
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .artifacts import encode
+from .cache import Cache, CorruptEntry, stage_key
+from .errors import GraphbuildError, StageError, UndeclaredReadError
+from .fingerprint import FACETS, InputFacets, Reading, callable_version, read_value
+from .hashing import digest_bytes
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline, Stage
+
+__all__ = [
+    "EventKind",
+    "StageEvent",
+    "Change",
+    "StageRecord",
+    "RunReport",
+    "RunResult",
+    "StageContext",
+    "run_pipeline",
+    "plan_reads",
+    "toolchain_versions",
+]
+
+
+class EventKind(enum.Enum):
+    STARTED = "started"
+    HIT = "hit"
+    CUTOFF = "cutoff"
+    RAN = "ran"
+    LOADED = "loaded"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+
+@dataclass(frozen=True)
+class StageEvent:
+    """One thing that happened to one stage; progress displays and tests consume these."""
+
+    kind: EventKind
+    stage: str
+    key: str | None = None
+    seconds: float = 0.0
+    reason: str | None = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Change:
+    """One read (or the code, or an upstream output) that differs from the last run."""
+
+    read: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.read}: {_show(self.old)} -> {_show(self.new)}"
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass
+class StageRecord:
+    """The run report's line for one stage."""
+
+    name: str
+    status: str = "pending"
+    key: str | None = None
+    seconds: float = 0.0
+    bytes: int = 0
+    reason: str | None = None
+    changes: list[Change] = field(default_factory=list)
+    digest: str | None = None
+    saved_seconds: float = 0.0
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["changes"] = [{"read": c.read, "old": c.old, "new": c.new} for c in self.changes]
+        return out
+
+
+@dataclass
+class RunReport:
+    run_id: str
+    stages: list[StageRecord]
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> StageRecord:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    @property
+    def statuses(self) -> dict[str, str]:
+        return {s.name: s.status for s in self.stages}
+
+    def with_status(self, *statuses: str) -> list[str]:
+        return [s.name for s in self.stages if s.status in statuses]
+
+    @property
+    def ran(self) -> list[str]:
+        return self.with_status("ran")
+
+    @property
+    def hits(self) -> list[str]:
+        return self.with_status("hit", "cutoff")
+
+    @property
+    def seconds_saved(self) -> float:
+        return sum(s.saved_seconds for s in self.stages)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "seconds": self.seconds,
+            "stages": [s.to_json() for s in self.stages],
+            **self.extra,
+        }
+
+
+class StageContext(Mapping[str, Any]):
+    """The ``context`` a stage receives: the pipeline context, limited to what the stage
+    declared it reads (an undeclared key raises :class:`UndeclaredReadError`)."""
+
+    def __init__(
+        self,
+        stage: str,
+        values: Mapping[str, Any],
+        allowed: set[str] | None,
+        declared: tuple[str, ...],
+        pipeline_input: Any = None,
+        input_allowed: bool = False,
+    ):
+        self.stage = stage
+        self._values = values
+        self._allowed = allowed
+        self._declared = declared
+        self._input = pipeline_input
+        self._input_allowed = input_allowed
+
+    def _check(self, key: str) -> None:
+        if self._allowed is not None and key not in self._allowed:
+            raise UndeclaredReadError(self.stage, f"ctx.{key}", self._declared)
+
+    def __getitem__(self, key: str) -> Any:
+        self._check(key)
+        return self._values[key]
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        self._check(key)
+        return key in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        allowed = self._allowed
+        return iter([k for k in self._values if allowed is None or k in allowed])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @property
+    def input(self) -> Any:
+        """The pipeline input (the model); only for stages that declare an input read."""
+        if not self._input_allowed:
+            raise UndeclaredReadError(self.stage, "input", self._declared)
+        return self._input
+
+
+@functools.cache
+def _package_digest() -> str:
+    root = Path(__file__).parent
+    files = sorted(root.rglob("*.py"))
+    return digest_bytes(b"".join(f.read_bytes() for f in files))[:16]
+
+
+@functools.cache
+def toolchain_versions() -> dict[str, str]:
+    """Versions that every key includes: a new torch or graphbuild invalidates the cache."""
+    out = {}
+    for dist in ("torch", "onnx", "onnxscript", "onnx-ir", "torchao", "graphbuild"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "absent"
+    out["graphbuild"] += f"+{_package_digest()}"
+    return out
+
+
+def plan_reads(pipeline: Pipeline, name: str, context: Mapping[str, Any]) -> tuple[str, ...]:
+    """The reads a stage's key covers: what it declares, or conservatively everything
+    (roots: the whole input, samples and context; others: the whole context and samples)."""
+    stage = pipeline._stage(name)
+    if stage.reads is not None:
+        reads: list[str] = []
+        for r in stage.reads:
+            if r == "input":
+                reads += ["input.structure", "input.state"]
+            elif r == "samples":
+                reads += ["samples.spec", "samples.values"]
+            else:
+                reads.append(r)
+        return tuple(dict.fromkeys(reads))
+    ctx = tuple(f"ctx.{k}" for k in sorted(context))
+    if not pipeline.dependencies(name):
+        return (*FACETS, *ctx)
+    return ("samples.spec", "samples.values", *ctx)
+
+
+_MISSING = {"missing": True}
+
+
+@dataclass
+class _State:
+    record: StageRecord
+    reads: tuple[str, ...]
+    readings: dict[str, Reading] = field(default_factory=dict)
+    manifest: dict[str, Any] | None = None
+    value: Any = None
+    has_value: bool = False
+    code: str = ""
+    upstream: list[str] = field(default_factory=list)
+
+
+class _Run:
+    """One build of one pipeline: the rebuilder loop and lazy loading."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        pipeline_input: Any,
+        samples: Any,
+        context: Mapping[str, Any],
+        cache: Cache | None,
+        force: Iterable[str] | bool,
+        listeners: Iterable[Callable[[StageEvent], None]],
+        run_id: str,
+    ):
+        self.pipeline = pipeline
+        self.input = pipeline_input
+        self.samples = samples
+        self.context = dict(context)
+        self.cache = cache
+        self.listeners = list(listeners)
+        self.run_id = run_id
+        self.order = pipeline.order()
+        self.force_all = force is True
+        self.force = set() if isinstance(force, bool) else set(force)
+        unknown = self.force - set(self.order)
+        if unknown:
+            raise KeyError(f"cannot force unknown stage(s): {', '.join(sorted(unknown))}")
+        self.facets = InputFacets(pipeline_input, samples)
+        self.toolchain = toolchain_versions()
+        self.states: dict[str, _State] = {}
+        self.ran_order: list[str] = []
+        self.failure: StageError | None = None
+
+    def emit(self, event: StageEvent) -> None:
+        for listener in self.listeners:
+            listener(event)
+
+    # ----------------------------------------------------------------- keys
+
+    def reading(self, read: str) -> Reading:
+        if read.startswith("ctx."):
+            key = read[4:]
+            return read_value(self.context[key]) if key in self.context else read_value(_MISSING)
+        return self.facets.read(read)
+
+    def compute_key(self, name: str) -> str | None:
+        st = self.states[name]
+        stage = self.pipeline._stage(name)
+        st.code = stage.version if stage.version is not None else self._code_version(stage)
+        st.readings = {r: self.reading(r) for r in st.reads}
+        st.upstream = [self.states[d].record.digest or "" for d in self.pipeline.dependencies(name)]
+        if any(r.digest is None for r in st.readings.values()):
+            return None
+        reads = {r: rd.digest for r, rd in st.readings.items()}
+        return stage_key(name, st.code, reads, st.upstream, self.toolchain)
+
+    @staticmethod
+    def _code_version(stage: Stage) -> str:
+        try:
+            return callable_version(stage.fn)
+        except GraphbuildError as err:
+            raise GraphbuildError(f"stage '{stage.name}': {err}") from err
+
+    # ----------------------------------------------------------------- main loop
+
+    def run(self) -> RunReport:
+        t0 = time.perf_counter()
+        for name in self.order:
+            st = _State(StageRecord(name), plan_reads(self.pipeline, name, self.context))
+            self.states[name] = st
+            deps = self.pipeline.dependencies(name)
+            blocked = [d for d in deps if self.states[d].record.status in ("failed", "skipped")]
+            if blocked:
+                st.record.status = "skipped"
+                st.record.reason = f"upstream '{blocked[0]}' did not complete"
+                self.emit(StageEvent(EventKind.SKIPPED, name, reason=st.record.reason))
+                continue
+            key = self.compute_key(name)
+            st.record.key = key
+            if self.cache is not None and key is not None and not self._forced(name):
+                manifest = self.cache.lookup(key)
+                if manifest is not None:
+                    self._hit(name, manifest)
+                    continue
+            self._execute(name)
+        if self.cache is not None:
+            self.cache.enforce_limit()
+        return RunReport(
+            self.run_id,
+            [self.states[n].record for n in self.order],
+            time.perf_counter() - t0,
+        )
+
+    def _forced(self, name: str) -> bool:
+        return self.force_all or name in self.force
+
+    def _hit(self, name: str, manifest: dict[str, Any]) -> None:
+        st = self.states[name]
+        st.manifest = manifest
+        rec = st.record
+        rec.digest = manifest["artifact"]["digest"]
+        rec.bytes = int(manifest.get("bytes", 0))
+        rec.saved_seconds = float(manifest.get("seconds", 0.0))
+        upstream_ran = any(
+            self.states[d].record.status == "ran" for d in self.pipeline.dependencies(name)
+        )
+        rec.status = "cutoff" if upstream_ran else "hit"
+        if upstream_ran:
+            rec.reason = "upstream reran with an identical output (early cutoff)"
+        self._remember(name)
+        kind = EventKind.CUTOFF if upstream_ran else EventKind.HIT
+        self.emit(StageEvent(kind, name, rec.key, reason=rec.reason))
+
+    def load(self, name: str) -> Any:
+        """A stage's output, loading (and verifying) it from the cache if needed; a corrupt
+        entry is rebuilt."""
+        st = self.states[name]
+        if st.has_value:
+            return st.value
+        if st.manifest is None:
+            raise GraphbuildError(f"stage '{name}' has no output (status {st.record.status})")
+        t0 = time.perf_counter()
+        try:
+            value = self.cache.load(st.manifest)  # type: ignore[union-attr]
+        except CorruptEntry as err:
+            st.manifest = None
+            self._execute(name, reason=f"cache entry was corrupt ({err}); rebuilt")
+            if self.states[name].record.status == "failed":
+                raise self.failure from err  # type: ignore[misc]
+            return st.value
+        st.value, st.has_value = value, True
+        self.emit(StageEvent(EventKind.LOADED, name, st.record.key, time.perf_counter() - t0))
+        return value
+
+    def _inputs(self, name: str) -> Any:
+        deps = self.pipeline.dependencies(name)
+        if not deps:
+            return self.input
+        return tuple(self.load(d) for d in deps)
+
+    def _execute(self, name: str, reason: str | None = None) -> None:
+        st = self.states[name]
+        stage = self.pipeline._stage(name)
+        rec = st.record
+        try:
+            inputs = self._inputs(name)
+        except StageError:
+            rec.status, rec.reason = "skipped", "an upstream rebuild failed"
+            return
+        old_upstream = list(st.upstream)
+        key = self.compute_key(name)
+        if st.upstream != old_upstream:
+            rec.key = key
+        rec.reason, rec.changes = self._why(name, key, reason)
+        self.emit(StageEvent(EventKind.STARTED, name, key, reason=rec.reason))
+        ctx = self._context(name, stage, st.reads)
+        t0 = time.perf_counter()
+        try:
+            value = stage.fn(inputs, self.samples, ctx)
+            encoded = encode(value)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as err:
+            rec.seconds = time.perf_counter() - t0
+            rec.status, rec.error = "failed", f"{type(err).__name__}: {err}"
+            self.failure = StageError(name, err, tuple(self.ran_order))
+            self.emit(StageEvent(EventKind.FAILED, name, key, rec.seconds, rec.reason, err))
+            return
+        rec.seconds = time.perf_counter() - t0
+        st.value, st.has_value = value, True
+        rec.digest, rec.bytes, rec.status = encoded.digest, encoded.size, "ran"
+        self.ran_order.append(name)
+        if self.cache is not None:
+            self.cache.count_miss()
+            if key is not None:
+                self.cache.store(key, encoded, self._manifest_record(name))
+        self._remember(name)
+        self.emit(StageEvent(EventKind.RAN, name, key, rec.seconds, rec.reason))
+
+    def _context(self, name: str, stage: Stage, reads: tuple[str, ...]) -> StageContext:
+        allowed = None if stage.reads is None else {r[4:] for r in reads if r.startswith("ctx.")}
+        root = not self.pipeline.dependencies(name)
+        input_allowed = any(r.startswith("input.") for r in reads) or (stage.reads is None and root)
+        return StageContext(
+            name, self.context, allowed, stage.reads or (), self.input, input_allowed
+        )
+
+    # ----------------------------------------------------------------- records & reasons
+
+    def _snapshot(self, name: str) -> dict[str, Any]:
+        st = self.states[name]
+        return {
+            "key": st.record.key,
+            "code": st.code,
+            "toolchain": self.toolchain,
+            "reads": {
+                r: {"digest": rd.digest, "value": rd.value, "details": rd.details}
+                for r, rd in st.readings.items()
+            },
+            "upstream": dict(zip(self.pipeline.dependencies(name), st.upstream)),
+            "digest": st.record.digest,
+        }
+
+    def _manifest_record(self, name: str) -> dict[str, Any]:
+        st = self.states[name]
+        return {
+            "stage": name,
+            "pipeline": self.run_id,
+            "seconds": st.record.seconds,
+            "code": st.code,
+            "reads": {r: rd.digest for r, rd in st.readings.items()},
+            "upstream": st.upstream,
+            "toolchain": self.toolchain,
+        }
+
+    def _remember(self, name: str) -> None:
+        if self.cache is None:
+            return
+        last = self._last(name)
+        rec = self.states[name].record
+        if last and last.get("key") == rec.key and last.get("digest") == rec.digest:
+            return
+        snap = self._snapshot(name)
+        snap.update(status=rec.status, when=time.time(), seconds=rec.seconds)
+        self.cache.record_run(self.run_id, name, snap)
+
+    def _last(self, name: str) -> dict[str, Any] | None:
+        st = self.states[name]
+        if "last" not in st.__dict__:
+            st.__dict__["last"] = self.cache.last_run(self.run_id, name) if self.cache else None
+        return st.__dict__["last"]
+
+    def _why(self, name: str, key: str | None, reason: str | None) -> tuple[str, list[Change]]:
+        if reason:
+            return reason, []
+        st = self.states[name]
+        if key is None:
+            why = [rd.reason for rd in st.readings.values() if rd.digest is None]
+            return f"cannot be cached: {why[0]}", []
+        if self._forced(name):
+            return "forced", []
+        if self.cache is None:
+            return "no cache", []
+        return explain_changes(self._last(name), self._snapshot(name))
+
+
+def explain_changes(
+    last: dict[str, Any] | None, now: dict[str, Any]
+) -> tuple[str, list[Change]]:
+    """Why a stage's key differs from its last run, cheapest check first."""
+    if not last:
+        return "no cached result (first run)", []
+    changes: list[Change] = []
+    if last.get("code") != now["code"]:
+        changes.append(Change("code", last.get("code", "")[:12], now["code"][:12]))
+    old_tc, new_tc = last.get("toolchain", {}), now["toolchain"]
+    for tool in sorted(set(old_tc) | set(new_tc)):
+        if old_tc.get(tool) != new_tc.get(tool):
+            changes.append(Change(f"toolchain.{tool}", old_tc.get(tool), new_tc.get(tool)))
+    old_reads = last.get("reads", {})
+    for read, cur in now["reads"].items():
+        prev = old_reads.get(read)
+        if prev is None:
+            changes.append(Change(read, None, cur["value"]))
+        elif prev.get("digest") != cur["digest"]:
+            changes.append(_read_change(read, prev, cur))
+    for dep, digest in now["upstream"].items():
+        prev = last.get("upstream", {}).get(dep)
+        if prev != digest:
+            changes.append(Change(f"output of '{dep}'", (prev or "")[:12], (digest or "")[:12]))
+    if not changes:
+        return "no cache entry for this key (evicted, pruned, corrupt or never stored)", []
+    first = changes[0]
+    if first.read == "code":
+        head = "code changed"
+    elif first.read.startswith("output of"):
+        head = f"{first.read} changed"
+    else:
+        head = str(first)
+    more = f" (+{len(changes) - 1} more)" if len(changes) > 1 else ""
+    return head + more, changes
+
+
+def _read_change(read: str, prev: dict[str, Any], cur: dict[str, Any]) -> Change:
+    old_d, new_d = prev.get("details") or {}, cur.get("details") or {}
+    if old_d or new_d:
+        changed = sorted(k for k in set(old_d) | set(new_d) if old_d.get(k) != new_d.get(k))
+        shown = ", ".join(changed[:5]) + (f", +{len(changed) - 5} more" if len(changed) > 5 else "")
+        label = "submodules" if read == "input.structure" else "tensors"
+        return Change(
+            read,
+            (prev.get("digest") or "")[:12],
+            f"{(cur.get('digest') or '')[:12]} ({len(changed)} {label} changed: {shown or 'root'})",
+        )
+    return Change(read, prev.get("value"), cur.get("value"))
+
+
+class LazyOutputs(Mapping[str, Any]):
+    """Stage outputs by name, loaded from the cache only when asked for."""
+
+    def __init__(self, run: _Run, names: Iterable[str]):
+        self._run = run
+        self._names = [n for n in names if run.states[n].record.status in ("ran", "hit", "cutoff")]
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._run.load(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+@dataclass
+class RunResult:
+    """What ``Pipeline.run`` returns: lazily loaded ``outputs`` of every stage, the
+    ``captured`` ones (``capture_stage_output=True``), and the ``report``."""
+
+    outputs: Mapping[str, Any]
+    captured: Mapping[str, Any]
+    report: RunReport
+
+
+def run_pipeline(
+    pipeline: Pipeline,
+    pipeline_input: Any,
+    samples: Any,
+    *,
+    context: Mapping[str, Any],
+    cache: Cache | None,
+    force: Iterable[str] | bool = (),
+    listeners: Iterable[Callable[[StageEvent], None]] = (),
+    run_id: str = "pipeline",
+) -> RunResult:
+    """Run ``pipeline``; raises :class:`StageError` (with ``.report``) when a stage fails."""
+    run = _Run(pipeline, pipeline_input, samples, context, cache, force, listeners, run_id)
+    report = run.run()
+    if run.failure is not None:
+        run.failure.report = report  # type: ignore[attr-defined]
+        raise run.failure
+    captured = [n for n in run.order if pipeline._stage(n).capture_output]
+    return RunResult(LazyOutputs(run, run.order), LazyOutputs(run, captured), report)
+
+
+def plan_status(
+    pipeline: Pipeline,
+    pipeline_input: Any,
+    samples: Any,
+    *,
+    context: Mapping[str, Any],
+    cache: Cache | None,
+    run_id: str = "pipeline",
+) -> RunReport:
+    """What a run would do, without running anything: each stage ``hit`` or ``dirty`` with
+    the reason. A stage downstream of a dirty one is ``maybe``: whether it reruns depends on
+    the upstream output (early cutoff)."""
+    run = _Run(pipeline, pipeline_input, samples, context, cache, (), (), run_id)
+    for name in run.order:
+        st = _State(StageRecord(name), plan_reads(pipeline, name, context))
+        run.states[name] = st
+        deps = pipeline.dependencies(name)
+        if any(run.states[d].record.status in ("dirty", "maybe") for d in deps):
+            st.record.status = "maybe"
+            st.record.reason = "depends on a dirty stage (reruns unless its output is unchanged)"
+            continue
+        key = run.compute_key(name)
+        st.record.key = key
+        manifest = cache.lookup(key, count=False) if cache is not None and key else None
+        if manifest is not None:
+            st.record.status, st.record.digest = "hit", manifest["artifact"]["digest"]
+            continue
+        st.record.status = "dirty"
+        st.record.reason, st.record.changes = run._why(name, key, None)
+    return RunReport(run_id, [run.states[n].record for n in run.order])
