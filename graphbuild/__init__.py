@@ -1,1 +1,64 @@
-"""graphbuild: incremental export of quantized PyTorch models."""
+"""graphbuild: incremental, content-addressed export of quantized PyTorch models.
+
+Exports are builds: a DAG of stages, each keyed by what it reads, run only when dirty.
+"""
+
+from __future__ import annotations
+
+from .cache import Cache
+from .errors import (
+    ConfigError,
+    ExportError,
+    GraphbuildError,
+    StageError,
+    UndeclaredReadError,
+    UnknownQuantizerError,
+)
+from .pipeline import Pipeline, Stage, StageRef
+from .scheduler import EventKind, RunReport, StageEvent
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Cache",
+    "ConfigError",
+    "EventKind",
+    "ExportArtifacts",
+    "ExportError",
+    "ExportRequest",
+    "GraphbuildError",
+    "Pipeline",
+    "PipelineRegistry",
+    "QnnOnnxOptions",
+    "RunReport",
+    "Stage",
+    "StageError",
+    "StageEvent",
+    "StageRef",
+    "UndeclaredReadError",
+    "UnknownQuantizerError",
+    "build_default_registry",
+    "export",
+    "export_with_pipeline",
+]
+
+_LAZY = {
+    "ExportArtifacts": "api",
+    "ExportRequest": "api",
+    "export": "api",
+    "export_with_pipeline": "api",
+    "PipelineRegistry": "targets.registry",
+    "build_default_registry": "targets.registry",
+    "QnnOnnxOptions": "targets.qnn",
+}
+
+
+def __getattr__(name: str):
+    # The export API pulls in onnx and onnxscript; load it on first use so that the engine
+    # (and `graphbuild --help`) stays quick to import.
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module 'graphbuild' has no attribute {name!r}")

@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 
 StageFn = Callable[[Any, Any, Any], Any]
 
-_READ_PREFIXES = ("ctx.", "input.", "samples.")
-
 
 @dataclass(frozen=True)
 class Stage:
@@ -46,11 +44,9 @@ def _check_reads(name: str, reads: Iterable[str] | None) -> tuple[str, ...] | No
         reads = (reads,)
     out = tuple(dict.fromkeys(reads))
     for r in out:
-        if r == "input":
+        if r in ("input", "samples") or (r.startswith("ctx.") and len(r) > 4):
             continue
-        if not r.startswith(_READ_PREFIXES) or (
-            not r.startswith("ctx.") and r not in FACETS and r != "samples"
-        ):
+        if r not in FACETS:
             raise PipelineError(
                 f"stage '{name}' declares unknown read '{r}'; use 'ctx.<key>', 'input', "
                 f"'samples' or one of: {', '.join(FACETS)}"
@@ -94,6 +90,7 @@ class Pipeline:
         self.pipeline_kwargs: dict[str, Any] = dict(pipeline_kwargs or {})
         self.name = name
         self.graph = nx.DiGraph()
+        self._products: list[str] | None = None
         self._order = itertools.count()
 
     # ----------------------------------------------------------------- building
@@ -263,6 +260,20 @@ class Pipeline:
 
     def sinks(self) -> list[str]:
         return [n for n in self.order() if self.graph.out_degree(n) == 0]
+
+    @property
+    def products(self) -> list[str]:
+        """Stages whose outputs an export places as files (default: the sinks)."""
+        if self._products is None:
+            return self.sinks()
+        return [n for n in self._products if n in self.graph]
+
+    @products.setter
+    def products(self, names: Iterable[str]) -> None:
+        names = list(names)
+        for n in names:
+            self._stage(n)
+        self._products = names
 
     # ----------------------------------------------------------------- running
 

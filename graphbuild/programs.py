@@ -1,0 +1,159 @@
+"""ExportedProgram artifacts: structure-only programs and their codec.
+
+A captured program's graph depends on structure only; its weights are the model's. So the
+program stored in the cache holds the graph (torch's own JSON serialization, no pickle) and
+the lifted constants, while parameters and buffers are zero-stride placeholders of the right
+shape and dtype, filled from the model by name when a stage needs values. A program that
+carries values (PT2E output) stores its state as raw tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from . import markers  # noqa: F401  - registers graphbuild::q for deserialization
+from .artifacts import Codec, Encoded, Part, TensorDictCodec, register_codec
+from .errors import CodecError
+from .hashing import digest_json
+
+__all__ = [
+    "ProgramArtifact",
+    "placeholder",
+    "placeholder_like",
+    "state_specs",
+    "strip_state",
+    "with_state",
+]
+
+
+@dataclass(frozen=True)
+class ProgramArtifact:
+    """An ExportedProgram as a stage output; ``has_state`` says whether its parameters and
+    buffers are real values or placeholders."""
+
+    program: ExportedProgram
+    has_state: bool = False
+
+
+def placeholder(shape: Sequence[int], dtype: torch.dtype, parameter: bool) -> torch.Tensor:
+    """A zero-stride tensor of this shape and dtype: costs one element of memory."""
+    base = torch.zeros((), dtype=dtype).expand(tuple(shape))
+    return torch.nn.Parameter(base, requires_grad=False) if parameter else base
+
+
+def placeholder_like(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+    return placeholder(t.shape, t.dtype, parameter)
+
+
+def state_specs(program: ExportedProgram) -> list[tuple[str, bool]]:
+    """(state name, is parameter) for every parameter and buffer input of the program."""
+    out = []
+    for spec in program.graph_signature.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and spec.target in program.state_dict:
+            out.append((spec.target, spec.kind == InputKind.PARAMETER))
+    return out
+
+
+def strip_state(program: ExportedProgram) -> ExportedProgram:
+    """A shallow copy of ``program`` whose state dict holds placeholders only."""
+    out = copy.copy(program)
+    out._state_dict = {  # noqa: SLF001 - ExportedProgram has no public setter
+        name: placeholder_like(program.state_dict[name], is_param)
+        for name, is_param in state_specs(program)
+    }
+    return out
+
+
+def with_state(program: ExportedProgram, state: Mapping[str, torch.Tensor]) -> ExportedProgram:
+    """A shallow copy of ``program`` whose parameters and buffers come from ``state``."""
+    out = copy.copy(program)
+    sd = {}
+    for name, is_param in state_specs(program):
+        if name not in state:
+            raise CodecError(f"the model has no parameter or buffer named '{name}'")
+        t = state[name].detach()
+        sd[name] = torch.nn.Parameter(t, requires_grad=False) if is_param else t
+    out._state_dict = sd  # noqa: SLF001
+    return out
+
+
+def strip_stack_traces(program: ExportedProgram) -> None:
+    """Drop source locations from node metadata: a moved comment must not change the graph."""
+    for node in program.graph.nodes:
+        node.meta.pop("stack_trace", None)
+
+
+class ProgramCodec(Codec):
+    name = "exported_program"
+    types = (ProgramArtifact,)
+
+    def encode(self, value: ProgramArtifact) -> Encoded:
+        from torch._export.serde.serialize import serialize
+
+        program = value.program
+        art = serialize(
+            program,
+            serialize_state_dict=False,
+            serialize_constants=False,
+            serialize_example_inputs=False,
+        )
+        constants = _tensor_constants(program.constants)
+        specs = state_specs(program)
+        meta = {
+            "has_state": value.has_state,
+            "state": [
+                [name, is_param, str(program.state_dict[name].dtype).removeprefix("torch."),
+                 list(program.state_dict[name].shape)]
+                for name, is_param in specs
+            ],
+        }
+        tensors = TensorDictCodec()
+        children = [tensors.encode(constants) if constants else Encoded("json", None, [Part(b"{}")])]
+        if value.has_state:
+            children.append(tensors.encode({n: program.state_dict[n] for n, _ in specs}))
+        return Encoded(self.name, meta, [Part(art.exported_program)], children)
+
+    def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
+        from torch._export.serde.serialize import SerializedArtifact, deserialize
+
+        constants = children[0] if isinstance(children[0], dict) and children[0] else {}
+        if meta["has_state"]:
+            real = children[1]
+            state = {
+                name: torch.nn.Parameter(real[name], requires_grad=False) if is_param else real[name]
+                for name, is_param, _, _ in meta["state"]
+            }
+        else:
+            state = {
+                name: placeholder(shape, getattr(torch, dt), p)
+                for name, p, dt, shape in meta["state"]
+            }
+        program = deserialize(SerializedArtifact(bytes(parts[0]), state, constants, b""))
+        return ProgramArtifact(program, meta["has_state"])
+
+
+def _tensor_constants(constants: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, value in constants.items():
+        if not isinstance(value, torch.Tensor):
+            raise CodecError(
+                f"the program holds a non-tensor constant '{name}' ({type(value).__name__}); "
+                "graphbuild can cache tensor constants only"
+            )
+        out[name] = value
+    return out
+
+
+def program_digest(program: ExportedProgram) -> str:
+    """A digest of the graph and signature alone, for messages and checks."""
+    return digest_json([str(program.graph), str(program.graph_signature)])
+
+
+register_codec(ProgramCodec())

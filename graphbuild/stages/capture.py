@@ -1,0 +1,26 @@
+"""capture: ``torch.export`` of the model. Reads structure and sample specs, never weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..programs import ProgramArtifact, strip_stack_traces, strip_state
+
+
+def as_args(samples: Any) -> tuple:
+    """Sample inputs as a tuple of positional arguments."""
+    if isinstance(samples, tuple):
+        return samples
+    if isinstance(samples, list):
+        return tuple(samples)
+    return (samples,)
+
+
+def capture_program(model: torch.nn.Module, samples: Any) -> ProgramArtifact:
+    """Trace ``model`` on ``samples``; the artifact keeps the graph and constants, and
+    placeholders for parameters and buffers (the graph does not depend on their values)."""
+    program = torch.export.export(model, as_args(samples))
+    strip_stack_traces(program)
+    return ProgramArtifact(strip_state(program), has_state=False)

@@ -1,0 +1,288 @@
+"""The QNN pipelines: ``qnn/onnx`` (float ONNX + ``.encodings``) and ``qnn/onnx_qdq``.
+
+::
+
+    capture -> [quantize] -> normalize -> to_onnx -> lower_markers -> bind
+                  |              |                        |             \\
+                  +--------------+--> qparams ------------+--> encodings -+-> [check_numerics]
+
+Structure (capture, normalize, to_onnx, lower_markers) never reads weight or quantizer
+values; values enter at qparams, bind and encodings (DESIGN.md, invariant 5).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import onnx_artifacts  # noqa: F401 - registers the ONNX codecs
+from ..artifacts import FileArtifact
+from ..errors import ConfigError
+from ..pipeline import Pipeline
+from ..programs import ProgramArtifact, strip_state, with_state
+from ..quantmap import QuantMap, QuantValues
+from ..stages.capture import as_args, capture_program
+
+if TYPE_CHECKING:
+    from ..api import ExportRequest
+
+FORMATS = ("onnx", "onnx_qdq")
+ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
+
+
+@dataclass
+class QnnOnnxOptions:
+    """Options of the QNN export; each becomes one context key that stages declare.
+
+    ``quantizer`` is a preset name (``w8a8``, ``w8a16``, ``w4a16``) or a torchao
+    ``Quantizer``; with it graphbuild runs PT2E on ``calibration`` (batches of positional
+    inputs). Without it the model is taken as already quantized (fake-quant or q/dq ops).
+    """
+
+    opset: int = 21
+    encodings_version: str = "1.0.0"
+    input_names: Sequence[str] | None = None
+    output_names: Sequence[str] | None = None
+    external_data: bool | None = None
+    fake_quantize_weights: bool = True
+    quantizer: Any = None
+    calibration: Sequence[Any] | None = None
+    check_numerics: bool = False
+
+    def __post_init__(self) -> None:
+        if self.encodings_version not in ENCODINGS_VERSIONS:
+            raise ConfigError(
+                f"unknown encodings version '{self.encodings_version}'; "
+                f"known: {', '.join(ENCODINGS_VERSIONS)}"
+            )
+        if not isinstance(self.opset, int) or not 13 <= self.opset <= 23:
+            raise ConfigError(f"opset must be an integer from 13 to 23, not {self.opset!r}")
+
+    def to_context(self) -> dict[str, Any]:
+        ctx = asdict(self)
+        ctx["quantizer"] = self.quantizer  # keep the object, not a dict copy
+        ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
+        for key in ("input_names", "output_names"):
+            if ctx[key] is not None:
+                ctx[key] = list(ctx[key])
+        return ctx
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def capture(model: torch.nn.Module, samples: Any, context: Any) -> ProgramArtifact:
+    return capture_program(model, samples)
+
+
+def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
+    from ..stages.quantize import quantize_program
+
+    (captured,) = inputs
+    state = _model_state(context.input)
+    calibration = context["calibration"] or []
+    program = quantize_program(
+        captured.program, state, context["quantizer"], calibration, as_args(samples)
+    )
+    return ProgramArtifact(program, has_state=True)
+
+
+def normalize(inputs: tuple, samples: Any, context: Any) -> tuple:
+    from ..stages.normalize import normalize_program
+
+    (program,) = inputs
+    marker, qmap = normalize_program(program.program)
+    return ProgramArtifact(strip_state(marker)), qmap.to_json()
+
+
+def qparams_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Scales and zero points of a pre-quantized model (its fake-quant state)."""
+    from ..stages.normalize import collect_qvalues
+
+    program, (_, qmap) = inputs
+    values = collect_qvalues(program.program, QuantMap.from_json(qmap), _model_state(context.input))
+    return values.to_tensors()
+
+
+def qparams_from_program(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Scales and zero points calibrated by the quantize stage."""
+    from ..stages.normalize import collect_qvalues
+
+    program, (_, qmap) = inputs
+    return collect_qvalues(program.program, QuantMap.from_json(qmap)).to_tensors()
+
+
+def to_onnx(inputs: tuple, samples: Any, context: Any) -> Any:
+    from ..stages.onnx_export import export_skeleton
+
+    ((marker, _),) = inputs
+    return export_skeleton(
+        marker.program,
+        opset=context["opset"],
+        input_names=context["input_names"],
+        output_names=context["output_names"],
+    )
+
+
+def lower_onnx(inputs: tuple, samples: Any, context: Any) -> tuple:
+    from ..stages.lower import lower_markers
+
+    skeleton, (_, qmap) = inputs
+    lowered, names = lower_markers(skeleton, QuantMap.from_json(qmap), "onnx")
+    return lowered, {str(q): n for q, n in sorted(names.items())}
+
+
+def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
+    from ..stages.lower import lower_markers
+
+    skeleton, (_, qmap) = inputs
+    lowered, names = lower_markers(skeleton, QuantMap.from_json(qmap), "onnx_qdq")
+    return lowered, {str(q): n for q, n in sorted(names.items())}
+
+
+def bind_model_weights(inputs: tuple, samples: Any, context: Any) -> Any:
+    """Put the model's current weights (and quantizer values) into the lowered skeleton."""
+    from ..stages.bind import bind
+
+    (lowered, _), (_, qmap), qvalues = inputs
+    return bind(
+        lowered,
+        _model_state(context.input),
+        QuantMap.from_json(qmap),
+        QuantValues.from_tensors(qvalues),
+        fake_quantize_weights=context["fake_quantize_weights"],
+    )
+
+
+def bind_program_weights(inputs: tuple, samples: Any, context: Any) -> Any:
+    """Put the quantize stage's weights (BatchNorm folded by PT2E) into the skeleton."""
+    from ..stages.bind import bind
+
+    (lowered, _), (_, qmap), qvalues, program = inputs
+    state = dict(program.program.state_dict)
+    state.update(program.program.constants)
+    return bind(
+        lowered,
+        state,
+        QuantMap.from_json(qmap),
+        QuantValues.from_tensors(qvalues),
+        fake_quantize_weights=context["fake_quantize_weights"],
+    )
+
+
+def encodings(inputs: tuple, samples: Any, context: Any) -> FileArtifact:
+    from ..stages.encodings import build_encodings
+
+    (_, qmap), qvalues, (_, names) = inputs
+    doc = build_encodings(
+        QuantMap.from_json(qmap),
+        QuantValues.from_tensors(qvalues),
+        {int(q): n for q, n in names.items()},
+        context["encodings_version"],
+    )
+    text = json.dumps(doc, indent=2) + "\n"
+    return FileArtifact(f"{context['model_name']}.encodings", text.encode())
+
+
+def check_numerics(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Run the exported model in onnxruntime on the sample inputs and compare with the
+    quantized torch model; for ``onnx`` the Q/DQ come back from the ``.encodings`` alone."""
+    from ..stages.numerics import compare_outputs
+
+    bound, enc_file, reference = inputs
+    doc = json.loads(enc_file.data) if context["format"] == "onnx" else None
+    return compare_outputs(bound, doc, reference, as_args(samples))
+
+
+def reference_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Outputs of the (fake-quantized) torch model on the sample inputs."""
+    with torch.no_grad():
+        out = context.input(*as_args(samples))
+    return _outputs_dict(out)
+
+
+def reference_from_program(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Outputs of the PT2E-quantized program on the sample inputs."""
+    (program,) = inputs
+    with torch.no_grad():
+        out = program.program.module()(*as_args(samples))
+    return _outputs_dict(out)
+
+
+def _outputs_dict(out: Any) -> dict[str, torch.Tensor]:
+    leaves, _ = torch.utils._pytree.tree_flatten(out)
+    tensors = [t.detach().float().contiguous() for t in leaves if isinstance(t, torch.Tensor)]
+    return {f"{i:04d}": t for i, t in enumerate(tensors)}
+
+
+def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
+    return state
+
+
+# --------------------------------------------------------------------------- wiring
+
+
+def build_qnn_pipeline(request: ExportRequest) -> Pipeline:
+    """The reference plan of DESIGN.md for ``qnn/onnx`` and ``qnn/onnx_qdq``."""
+    fmt = request.format
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown format '{fmt}' for target qnn; known: {', '.join(FORMATS)}")
+    opts = request.qnn_options()
+    p = Pipeline(name=f"qnn/{fmt}")
+    cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
+    source = cap
+    if opts.quantizer is not None:
+        source = p.register_stage(
+            quantize,
+            "quantize",
+            reads=(
+                "input.state",
+                "ctx.quantizer",
+                "ctx.calibration",
+                "samples.spec",
+                "samples.values",
+            ),
+        ).depends_on(cap)
+    norm = p.register_stage(normalize, "normalize", reads=()).depends_on(source)
+    if opts.quantizer is not None:
+        qp = p.register_stage(qparams_from_program, "qparams", reads=())
+    else:
+        qp = p.register_stage(qparams_from_model, "qparams", reads=("input.state",))
+    qp.depends_on(source, norm)
+    onnx = p.register_stage(
+        to_onnx, "to_onnx", reads=("ctx.opset", "ctx.input_names", "ctx.output_names")
+    ).depends_on(norm)
+    lower = p.register_stage(
+        lower_onnx if fmt == "onnx" else lower_qdq, "lower_markers", reads=()
+    ).depends_on(onnx, norm)
+    if opts.quantizer is not None:
+        bound = p.register_stage(
+            bind_program_weights, "bind", reads=("ctx.fake_quantize_weights",)
+        ).depends_on(lower, norm, qp, source)
+    else:
+        bound = p.register_stage(
+            bind_model_weights, "bind", reads=("input.state", "ctx.fake_quantize_weights")
+        ).depends_on(lower, norm, qp)
+    enc = p.register_stage(
+        encodings, "encodings", reads=("ctx.encodings_version", "ctx.model_name")
+    ).depends_on(norm, qp, lower)
+    p.products = [bound.name, enc.name]
+    if opts.check_numerics:
+        if opts.quantizer is not None:
+            ref = p.register_stage(reference_from_program, "reference", reads=("samples",))
+            ref.depends_on(source)
+        else:
+            ref = p.register_stage(reference_from_model, "reference", reads=("input", "samples"))
+        p.register_stage(
+            check_numerics, "check_numerics", reads=("ctx.format", "samples")
+        ).depends_on(bound, enc, ref)
+    return p
+
+
+__all__ = ["FORMATS", "QnnOnnxOptions", "build_qnn_pipeline"]
