@@ -15,7 +15,6 @@ from .errors import (
     UnknownQuantizerError,
 )
 from .pipeline import Pipeline, Stage, StageRef
-from .scheduler import EventKind, RunReport, StageEvent
 
 __version__ = "0.1.0"
 
@@ -43,6 +42,9 @@ __all__ = [
 ]
 
 _LAZY = {
+    "EventKind": "scheduler",
+    "RunReport": "scheduler",
+    "StageEvent": "scheduler",
     "ExportArtifacts": "api",
     "ExportRequest": "api",
     "export": "api",
@@ -54,8 +56,8 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    # The export API pulls in onnx and onnxscript; load it on first use so that the engine
-    # (and `graphbuild --help`) stays quick to import.
+    # torch, onnx and onnxscript take seconds to import: load what needs them on first use,
+    # so that `graphbuild --help` and `graphbuild cache ...` start at once.
     if name in _LAZY:
         import importlib
 

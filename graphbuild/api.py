@@ -218,7 +218,7 @@ def place_outputs(
         written: dict[str, Path] = {}
         external = request.context().get("external_data")
         for sink in pipeline.products:
-            value = result.outputs[sink] if sink in result.outputs else None
+            value = result.outputs.get(sink)
             if value is None or not _placeable(value):
                 continue
             items = value.items() if isinstance(value, Mapping) else [(sink, value)]

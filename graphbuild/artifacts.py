@@ -9,15 +9,17 @@ cutoff. Nothing here unpickles: parts are raw bytes, JSON, or protobuf.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import CodecError
 from .hashing import canonical_json, digest_bytes, digest_json
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Codec",
@@ -28,6 +30,7 @@ __all__ = [
     "encode",
     "decode",
     "FileArtifact",
+    "roundtrip",
 ]
 
 
@@ -152,7 +155,29 @@ def decode(description: dict[str, Any], read_part: Callable[[str, int], bytes]) 
     return codec.decode(description["meta"], parts, children)
 
 
+def roundtrip(value: Any) -> Any:
+    """``value`` as a later run would load it from the cache. Stages whose outputs do not
+    survive encoding unchanged return this, so a hit and a fresh run feed dependents alike."""
+    encoded = encode(value)
+    parts = {p.digest: bytes(p.data) for p in encoded.all_parts()}
+    return decode(encoded.describe(), lambda digest, size: parts[digest])
+
+
 # --------------------------------------------------------------------------- built-ins
+
+
+def _is_json(value: Any) -> bool:
+    """True when ``value`` reads back from JSON as an equal value of the same types: no
+    tuples (they would come back as lists), no non-string keys (they would come back as
+    strings), no subclasses."""
+    kind = type(value)
+    if kind in (str, int, float, bool, type(None)):
+        return True
+    if kind is list:
+        return all(_is_json(v) for v in value)
+    if kind is dict:
+        return all(type(k) is str and _is_json(v) for k, v in value.items())
+    return False
 
 
 class JsonCodec(Codec):
@@ -160,13 +185,7 @@ class JsonCodec(Codec):
     types = (dict, list, str, int, float, bool, type(None))
 
     def accepts(self, value: Any) -> bool:
-        if not isinstance(value, self.types):
-            return False
-        try:
-            canonical_json(value)
-        except (TypeError, ValueError):
-            return False
-        return True
+        return _is_json(value)
 
     def encode(self, value: Any) -> Encoded:
         text = canonical_json(value)
@@ -194,7 +213,15 @@ def tensor_part(tensor: torch.Tensor) -> tuple[dict[str, Any], Part]:
     return meta, Part(tensor_bytes(tensor))
 
 
+def _is_tensor(value: Any) -> bool:
+    # torch is imported lazily: a value cannot be a tensor before torch is loaded
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def tensor_from_part(meta: dict[str, Any], data: bytes) -> torch.Tensor:
+    import torch
+
     dtype = getattr(torch, meta["dtype"])
     if not data:
         return torch.empty(meta["shape"], dtype=dtype)
@@ -204,7 +231,9 @@ def tensor_from_part(meta: dict[str, Any], data: bytes) -> torch.Tensor:
 
 class TensorCodec(Codec):
     name = "tensor"
-    types = (torch.Tensor,)
+
+    def accepts(self, value: Any) -> bool:
+        return _is_tensor(value)
 
     def encode(self, value: torch.Tensor) -> Encoded:
         meta, part = tensor_part(value)
@@ -224,7 +253,7 @@ class TensorDictCodec(Codec):
         return (
             isinstance(value, dict)
             and bool(value)
-            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+            and all(isinstance(k, str) and _is_tensor(v) for k, v in value.items())
         )
 
     def encode(self, value: dict[str, torch.Tensor]) -> Encoded:
@@ -236,7 +265,9 @@ class TensorDictCodec(Codec):
         return Encoded(self.name, metas, parts)
 
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
-        return {name: tensor_from_part(m, data) for (name, m), data in zip(meta, parts)}
+        return {
+            name: tensor_from_part(m, data) for (name, m), data in zip(meta, parts, strict=False)
+        }
 
 
 class SequenceCodec(Codec):
@@ -265,7 +296,7 @@ class MappingCodec(Codec):
         return Encoded(self.name, keys, children=[encode(value[k]) for k in keys])
 
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
-        return dict(zip(meta, children))
+        return dict(zip(meta, children, strict=False))
 
 
 @dataclass(frozen=True)

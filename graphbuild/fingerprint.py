@@ -17,6 +17,7 @@ import inspect
 import os
 import sys
 import sysconfig
+import threading
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import torch
 
 from .errors import FingerprintError
 from .hashing import digest_bytes, digest_json
+from .pipeline import FACETS
 
 __all__ = [
     "Reading",
@@ -40,7 +42,6 @@ __all__ = [
     "FACETS",
 ]
 
-FACETS = ("input.structure", "input.state", "samples.spec", "samples.values")
 _MAX_DEPTH = 12
 
 
@@ -56,7 +57,11 @@ class _Walk:
 
     def child(self, label: str, value: Any) -> Any:
         if len(self.path) > _MAX_DEPTH:
-            return {"depth-limit": type(value).__qualname__}
+            # what lies deeper would be ignored: uncacheable, never a stale hit
+            raise FingerprintError(
+                f"cannot fingerprint {'.'.join(self.path)}.{label}: nested more than "
+                f"{_MAX_DEPTH} levels deep"
+            )
         if id(value) in self.active:
             return {"cycle": type(value).__qualname__}
         self.path.append(label)
@@ -86,7 +91,8 @@ def fingerprint_type(value: Any, walk: _Walk) -> Any:
         return {
             "dataclass": _qualname(cls),
             "fields": {
-                f.name: walk.child(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)
+                f.name: walk.child(f.name, getattr(value, f.name))
+                for f in dataclasses.fields(value)
             },
         }
     if isinstance(value, type):
@@ -206,9 +212,23 @@ def _(value: Any, walk: _Walk) -> Any:
     return {"function": callable_version(value)}
 
 
+# Ids of the modules and callables being fingerprinted: a module reachable from its own
+# attributes (a back-reference to a parent) or a function in its own closure is fingerprinted
+# by the call already under way, not again (which would recurse without end). Per thread, so
+# one thread's work in progress never stands in for another's.
+class _ActiveIds(threading.local):
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+
+
+_ACTIVE = _ActiveIds()
+
+
 @fingerprint_type.register(torch.nn.Module)
 def _(value: torch.nn.Module, walk: _Walk) -> Any:
     # A module held as an option (not the pipeline input): its structure and its values.
+    if id(value) in _ACTIVE.ids:
+        return {"module-cycle": _qualname(type(value))}
     return {"module": structure_fingerprint(value).digest, "state": state_digests(value).digest}
 
 
@@ -314,6 +334,14 @@ def structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
     """Class, non-tensor attributes, parameter/buffer names, shapes and dtypes of every
     submodule, plus the code of their classes. Raises FingerprintError naming the attribute
     that cannot be fingerprinted."""
+    _ACTIVE.ids.add(id(module))
+    try:
+        return _structure_fingerprint(module)
+    finally:
+        _ACTIVE.ids.discard(id(module))
+
+
+def _structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
     classes: list[type] = []
     modules: dict[str, str] = {}
     for name, sub in module.named_modules(remove_duplicate=False):
@@ -451,6 +479,16 @@ def _class_source_digest(cls: type) -> str:
 
 def callable_version(fn: Callable) -> str:
     """Digest of a callable's code: its source, defaults and closure values."""
+    if id(fn) in _ACTIVE.ids:  # a recursive closure: its code is being digested already
+        return f"cycle:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    _ACTIVE.ids.add(id(fn))
+    try:
+        return _callable_version(fn)
+    finally:
+        _ACTIVE.ids.discard(id(fn))
+
+
+def _callable_version(fn: Callable) -> str:
     if isinstance(fn, functools.partial):
         return digest_json(
             [callable_version(fn.func), fingerprint(list(fn.args)), fingerprint(fn.keywords)]
@@ -459,7 +497,9 @@ def callable_version(fn: Callable) -> str:
     module_name = getattr(target, "__module__", None) or ""
     path = _module_file(module_name)
     if path is not None and _is_library(path):
-        return f"{module_name}.{getattr(target, '__qualname__', '?')}@{_library_version(module_name)}"
+        return (
+            f"{module_name}.{getattr(target, '__qualname__', '?')}@{_library_version(module_name)}"
+        )
     if not hasattr(target, "__code__") and callable(target) and not isinstance(target, type):
         # a callable object: its class code and its attributes
         return digest_json(fingerprint(target))

@@ -41,9 +41,7 @@ class BoundModelCodec(Codec):
 
     def encode(self, value: BoundModel) -> Encoded:
         names = sorted(value.tensors)
-        meta = [
-            [n, _dtype_name(value.tensors[n]), list(value.tensors[n].shape)] for n in names
-        ]
+        meta = [[n, _dtype_name(value.tensors[n]), list(value.tensors[n].shape)] for n in names]
         parts = [Part(value.model.SerializeToString(deterministic=True))]
         parts += [_array_part(value.tensors[n]) for n in names]
         return Encoded(self.name, meta, parts)
@@ -52,7 +50,7 @@ class BoundModelCodec(Codec):
         model = onnx.ModelProto()
         model.ParseFromString(bytes(parts[0]))
         tensors = {}
-        for (name, dtype, shape), data in zip(meta, parts[1:]):
+        for (name, dtype, shape), data in zip(meta, parts[1:], strict=True):
             tensors[name] = np.frombuffer(bytearray(data), dtype=_np_dtype(dtype)).reshape(shape)
         return BoundModel(model, tensors)
 

@@ -17,13 +17,15 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from .errors import PipelineError
-from .fingerprint import FACETS
 
 if TYPE_CHECKING:
     from .cache import Cache
     from .scheduler import RunResult
 
 StageFn = Callable[[Any, Any, Any], Any]
+
+#: Facets of the pipeline input and samples that a stage can declare it reads.
+FACETS = ("input.structure", "input.state", "samples.spec", "samples.values")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ __all__ = [
     "placeholder_like",
     "state_specs",
     "strip_state",
-    "with_state",
 ]
 
 
@@ -56,7 +55,10 @@ def state_specs(program: ExportedProgram) -> list[tuple[str, bool]]:
     """(state name, is parameter) for every parameter and buffer input of the program."""
     out = []
     for spec in program.graph_signature.input_specs:
-        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and spec.target in program.state_dict:
+        if (
+            spec.kind in (InputKind.PARAMETER, InputKind.BUFFER)
+            and spec.target in program.state_dict
+        ):
             out.append((spec.target, spec.kind == InputKind.PARAMETER))
     return out
 
@@ -71,23 +73,15 @@ def strip_state(program: ExportedProgram) -> ExportedProgram:
     return out
 
 
-def with_state(program: ExportedProgram, state: Mapping[str, torch.Tensor]) -> ExportedProgram:
-    """A shallow copy of ``program`` whose parameters and buffers come from ``state``."""
-    out = copy.copy(program)
-    sd = {}
-    for name, is_param in state_specs(program):
-        if name not in state:
-            raise CodecError(f"the model has no parameter or buffer named '{name}'")
-        t = state[name].detach()
-        sd[name] = torch.nn.Parameter(t, requires_grad=False) if is_param else t
-    out._state_dict = sd  # noqa: SLF001
-    return out
+_VOLATILE_META = ("stack_trace", "from_node", "seq_nr")
 
 
 def strip_stack_traces(program: ExportedProgram) -> None:
-    """Drop source locations from node metadata: a moved comment must not change the graph."""
+    """Drop node metadata that is not the graph: source locations (a moved comment must not
+    change the artifact) and provenance that holds Python object ids (differs per process)."""
     for node in program.graph.nodes:
-        node.meta.pop("stack_trace", None)
+        for key in _VOLATILE_META:
+            node.meta.pop(key, None)
 
 
 class ProgramCodec(Codec):
@@ -98,6 +92,7 @@ class ProgramCodec(Codec):
         from torch._export.serde.serialize import serialize
 
         program = value.program
+        strip_stack_traces(program)
         art = serialize(
             program,
             serialize_state_dict=False,
@@ -109,13 +104,19 @@ class ProgramCodec(Codec):
         meta = {
             "has_state": value.has_state,
             "state": [
-                [name, is_param, str(program.state_dict[name].dtype).removeprefix("torch."),
-                 list(program.state_dict[name].shape)]
+                [
+                    name,
+                    is_param,
+                    str(program.state_dict[name].dtype).removeprefix("torch."),
+                    list(program.state_dict[name].shape),
+                ]
                 for name, is_param in specs
             ],
         }
         tensors = TensorDictCodec()
-        children = [tensors.encode(constants) if constants else Encoded("json", None, [Part(b"{}")])]
+        children = [
+            tensors.encode(constants) if constants else Encoded("json", None, [Part(b"{}")])
+        ]
         if value.has_state:
             children.append(tensors.encode({n: program.state_dict[n] for n, _ in specs}))
         return Encoded(self.name, meta, [Part(art.exported_program)], children)
@@ -127,7 +128,9 @@ class ProgramCodec(Codec):
         if meta["has_state"]:
             real = children[1]
             state = {
-                name: torch.nn.Parameter(real[name], requires_grad=False) if is_param else real[name]
+                name: torch.nn.Parameter(real[name], requires_grad=False)
+                if is_param
+                else real[name]
                 for name, is_param, _, _ in meta["state"]
             }
         else:

@@ -124,6 +124,4 @@ class QuantValues:
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> QuantValues:
         qids = sorted({int(k.split(".")[0]) for k in tensors})
-        return cls(
-            {q: QParams(tensors[f"{q}.scale"], tensors[f"{q}.zero_point"]) for q in qids}
-        )
+        return cls({q: QParams(tensors[f"{q}.scale"], tensors[f"{q}.zero_point"]) for q in qids})

@@ -144,7 +144,11 @@ class RunReport:
 
 class StageContext(Mapping[str, Any]):
     """The ``context`` a stage receives: the pipeline context, limited to what the stage
-    declared it reads (an undeclared key raises :class:`UndeclaredReadError`)."""
+    declared it reads (an undeclared key raises :class:`UndeclaredReadError`).
+
+    The first undeclared read is also kept in ``violation``: the scheduler fails the stage
+    even when the stage caught the error (``UndeclaredReadError`` is a ``KeyError``, and
+    ``except KeyError: default`` would otherwise turn it into a silent stale hit)."""
 
     def __init__(
         self,
@@ -161,14 +165,26 @@ class StageContext(Mapping[str, Any]):
         self._declared = declared
         self._input = pipeline_input
         self._input_allowed = input_allowed
+        self.violation: UndeclaredReadError | None = None
+
+    def _refuse(self, read: str) -> None:
+        err = UndeclaredReadError(self.stage, read, self._declared)
+        if self.violation is None:
+            self.violation = err
+        raise err
 
     def _check(self, key: str) -> None:
         if self._allowed is not None and key not in self._allowed:
-            raise UndeclaredReadError(self.stage, f"ctx.{key}", self._declared)
+            self._refuse(f"ctx.{key}")
 
     def __getitem__(self, key: str) -> Any:
         self._check(key)
         return self._values[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        # Mapping.get would catch the KeyError an undeclared read raises
+        self._check(key)
+        return self._values.get(key, default)
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
@@ -187,14 +203,15 @@ class StageContext(Mapping[str, Any]):
     def input(self) -> Any:
         """The pipeline input (the model); only for stages that declare an input read."""
         if not self._input_allowed:
-            raise UndeclaredReadError(self.stage, "input", self._declared)
+            self._refuse("input")
         return self._input
 
 
 @functools.cache
 def _package_digest() -> str:
     root = Path(__file__).parent
-    files = sorted(root.rglob("*.py"))
+    # the front ends (command line, config files) do not change what any stage computes
+    files = sorted(f for f in root.rglob("*.py") if f.name not in ("cli.py", "config.py"))
     return digest_bytes(b"".join(f.read_bytes() for f in files))[:16]
 
 
@@ -405,6 +422,8 @@ class _Run:
         t0 = time.perf_counter()
         try:
             value = stage.fn(inputs, self.samples, ctx)
+            if ctx.violation is not None:  # read undeclared, then caught the error
+                raise ctx.violation
             encoded = encode(value)
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -445,7 +464,7 @@ class _Run:
                 r: {"digest": rd.digest, "value": rd.value, "details": rd.details}
                 for r, rd in st.readings.items()
             },
-            "upstream": dict(zip(self.pipeline.dependencies(name), st.upstream)),
+            "upstream": dict(zip(self.pipeline.dependencies(name), st.upstream, strict=False)),
             "digest": st.record.digest,
         }
 
@@ -492,9 +511,7 @@ class _Run:
         return explain_changes(self._last(name), self._snapshot(name))
 
 
-def explain_changes(
-    last: dict[str, Any] | None, now: dict[str, Any]
-) -> tuple[str, list[Change]]:
+def explain_changes(last: dict[str, Any] | None, now: dict[str, Any]) -> tuple[str, list[Change]]:
     """Why a stage's key differs from its last run, cheapest check first."""
     if not last:
         return "no cached result (first run)", []

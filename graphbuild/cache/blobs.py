@@ -38,9 +38,11 @@ class BlobStore:
             return False
 
     def write(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
-        """Store ``data`` under ``digest`` unless present; True when written."""
+        """Store ``data`` under ``digest`` unless present; True when written. A blob present
+        at the wrong size (truncated) is replaced: keeping it would make every entry that
+        names it a miss forever."""
         dest = self.path(digest)
-        if dest.exists():
+        if self.has(digest, memoryview(data).nbytes):
             return False
         dest.parent.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,16 @@ class PickleRefused(ValueError):
     """A row of the index claims to hold a pickle."""
 
 
+class RefusedKey:
+    """Stands for an index key stored pickled, which is never unpickled; ``keys`` skips it."""
+
+    def __repr__(self) -> str:
+        return "<pickled key, refused>"
+
+
+REFUSED_KEY = RefusedKey()
+
+
 class JsonOnlyDisk(diskcache.Disk):
     """A diskcache Disk that stores only str/bytes/int/float and never unpickles."""
 
@@ -29,8 +39,10 @@ class JsonOnlyDisk(diskcache.Disk):
         return super().put(key)
 
     def get(self, key: Any, raw: bool) -> Any:
+        # Only iteration converts stored keys back; raising here would end the iteration
+        # (and with it stats, gc, prune and verify), so a pickled key becomes a placeholder.
         if not raw:
-            raise PickleRefused("index key is stored pickled")
+            return REFUSED_KEY
         return super().get(key, raw)
 
     def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> Any:
@@ -77,10 +89,17 @@ class ActionIndex:
                 yield key
 
     def incr(self, counter: str, delta: int = 1) -> None:
-        self._db.incr(f"stat:{counter}", delta, default=0, retry=True)
+        key = f"stat:{counter}"
+        try:
+            self._db.incr(key, delta, default=0, retry=True)
+        except TypeError:  # the row holds no number (damaged, or a planted pickle): restart
+            self._db.set(key, delta, retry=True)
 
     def counter(self, counter: str) -> int:
-        value = self._db.get(f"stat:{counter}", default=0, retry=True)
+        try:
+            value = self._db.get(f"stat:{counter}", default=0, retry=True)
+        except PickleRefused:
+            return 0
         return int(value) if isinstance(value, (int, float)) else 0
 
     def clear(self) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..artifacts import roundtrip
 from ..programs import ProgramArtifact, strip_stack_traces, strip_state
 
 
@@ -23,4 +24,4 @@ def capture_program(model: torch.nn.Module, samples: Any) -> ProgramArtifact:
     placeholders for parameters and buffers (the graph does not depend on their values)."""
     program = torch.export.export(model, as_args(samples))
     strip_stack_traces(program)
-    return ProgramArtifact(strip_state(program), has_state=False)
+    return roundtrip(ProgramArtifact(strip_state(program), has_state=False))

@@ -34,34 +34,43 @@ def run_onnx(model: Any, args: tuple) -> list[np.ndarray]:
     )
     leaves = [a for a in torch.utils._pytree.tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
     names = [i.name for i in session.get_inputs()]
-    feeds = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves)}
+    feeds = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves, strict=False)}
     return session.run(None, feeds)
 
 
 def compare_outputs(
     bound: BoundModel,
-    encodings: Mapping[str, Any] | None,
+    encodings: Mapping[str, Any],
     reference: Mapping[str, torch.Tensor],
     args: tuple,
+    *,
+    reinsert: bool,
 ) -> dict[str, Any]:
-    """Max abs error and SQNR per output. With ``encodings``, Q/DQ are put back into the
-    float model from the encodings document alone before running it."""
-    from .encodings import insert_fake_quant
+    """Max abs error, SQNR and error in output quantization steps, per output. With
+    ``reinsert``, Q/DQ are put back into the float model from the encodings document alone
+    before running it (the ``onnx`` format's contract)."""
+    from .encodings import insert_fake_quant, read_encodings
 
     model = materialize(bound)
-    if encodings is not None:
+    if reinsert:
         model = insert_fake_quant(model, encodings)
     actual = run_onnx(model, args)
     names = [o.name for o in model.graph.output]
+    table = read_encodings(encodings)
     outputs = []
-    for (_, ref), got, name in zip(sorted(reference.items()), actual, names):
+    for (_, ref), got, name in zip(sorted(reference.items()), actual, names, strict=True):
         ref_np = ref.numpy()
         got = np.asarray(got, dtype=np.float32).reshape(ref_np.shape)
+        err = float(np.max(np.abs(ref_np - got))) if ref_np.size else 0.0
+        enc = table.get(name)
+        step = float(np.max(enc.scale)) if enc is not None and enc.scale.size == 1 else None
         outputs.append(
             {
                 "name": name,
-                "max_abs_error": float(np.max(np.abs(ref_np - got))) if ref_np.size else 0.0,
+                "max_abs_error": err,
                 "sqnr_db": sqnr_db(ref_np, got),
+                "output_step": step,
+                "max_error_steps": err / step if step else None,
             }
         )
-    return {"outputs": outputs, "encodings_used": encodings is not None}
+    return {"outputs": outputs, "encodings_reinserted": reinsert}

@@ -2,7 +2,7 @@
 
 ::
 
-    capture -> [quantize] -> normalize -> to_onnx -> lower_markers -> bind
+    capture -> [quantize] -> normalize -> marker_graph -> to_onnx -> lower_markers -> bind
                   |              |                        |             \\
                   +--------------+--> qparams ------------+--> encodings -+-> [check_numerics]
 
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import onnx_artifacts  # noqa: F401 - registers the ONNX codecs
-from ..artifacts import FileArtifact
+from ..artifacts import FileArtifact, roundtrip
 from ..errors import ConfigError
 from ..pipeline import Pipeline
-from ..programs import ProgramArtifact, strip_state, with_state
+from ..programs import ProgramArtifact, strip_state
 from ..quantmap import QuantMap, QuantValues
 from ..stages.capture import as_args, capture_program
 
@@ -96,7 +96,14 @@ def normalize(inputs: tuple, samples: Any, context: Any) -> tuple:
 
     (program,) = inputs
     marker, qmap = normalize_program(program.program)
-    return ProgramArtifact(strip_state(marker)), qmap.to_json()
+    return roundtrip(ProgramArtifact(strip_state(marker))), qmap.to_json()
+
+
+def marker_graph(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
+    """The marker graph alone: a new bit-width changes the quant map, not the graph, so the
+    ONNX exporter behind this stage is cut off."""
+    ((marker, _),) = inputs
+    return marker
 
 
 def qparams_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
@@ -119,7 +126,7 @@ def qparams_from_program(inputs: tuple, samples: Any, context: Any) -> dict:
 def to_onnx(inputs: tuple, samples: Any, context: Any) -> Any:
     from ..stages.onnx_export import export_skeleton
 
-    ((marker, _),) = inputs
+    (marker,) = inputs
     return export_skeleton(
         marker.program,
         opset=context["opset"],
@@ -194,8 +201,9 @@ def check_numerics(inputs: tuple, samples: Any, context: Any) -> dict:
     from ..stages.numerics import compare_outputs
 
     bound, enc_file, reference = inputs
-    doc = json.loads(enc_file.data) if context["format"] == "onnx" else None
-    return compare_outputs(bound, doc, reference, as_args(samples))
+    doc = json.loads(enc_file.data)
+    reinsert = context["format"] == "onnx"
+    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=reinsert)
 
 
 def reference_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
@@ -255,9 +263,10 @@ def build_qnn_pipeline(request: ExportRequest) -> Pipeline:
     else:
         qp = p.register_stage(qparams_from_model, "qparams", reads=("input.state",))
     qp.depends_on(source, norm)
+    graph = p.register_stage(marker_graph, "marker_graph", reads=()).depends_on(norm)
     onnx = p.register_stage(
         to_onnx, "to_onnx", reads=("ctx.opset", "ctx.input_names", "ctx.output_names")
-    ).depends_on(norm)
+    ).depends_on(graph)
     lower = p.register_stage(
         lower_onnx if fmt == "onnx" else lower_qdq, "lower_markers", reads=()
     ).depends_on(onnx, norm)

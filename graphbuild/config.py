@@ -1,0 +1,566 @@
+"""``graphbuild.toml`` / ``[tool.graphbuild]`` loading and validation.
+
+The configuration names what to export (a model factory, its sample inputs and calibration
+batches), how (target, format, quantization, QNN options) and where (output and cache
+directories). It is found from the working directory upward: in each directory a
+``graphbuild.toml`` wins over a ``pyproject.toml`` with a ``[tool.graphbuild]`` table, and the
+first directory with either wins. Relative paths in it are relative to its own directory.
+
+Loading only parses and validates; nothing is imported until :meth:`Config.load_model`, so
+``graphbuild cache ...`` and ``graphbuild --help`` stay quick. Every problem is a
+:class:`~graphbuild.errors.ConfigError` that names the key, what was expected and what was
+found; only the CLI turns it into an exit code.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from .errors import ConfigError
+
+__all__ = [
+    "CONFIG_FILE",
+    "Config",
+    "find_config",
+    "load_config",
+    "parse_override",
+]
+
+CONFIG_FILE = "graphbuild.toml"
+PYPROJECT = "pyproject.toml"
+DEFAULT_OUTPUT_DIR = "graphbuild-out"
+# The presets of graphbuild.quant.preset, known here so that a warm export need not import
+# torchao; any other name is checked against that module.
+PRESET_NAMES = ("w8a8", "w8a16", "w4a16")
+
+_EXAMPLE = f"""\
+    # {CONFIG_FILE}
+    model = "path/to/model.py:build"      # returns a module, or (module, sample_inputs)
+    calibration = "path/to/model.py:calibration"   # optional: a list of batches
+    [quantization]
+    preset = "w8a16"                       # or quantizer = "module:attr"
+"""
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True)
+class _Type:
+    """One expected value type: a check and how to say it in an error message."""
+
+    label: str
+    check: Any
+
+    def accepts(self, value: Any) -> bool:
+        return bool(self.check(value))
+
+
+_STR = _Type("a string", lambda v: isinstance(v, str))
+_INT = _Type("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
+_BOOL = _Type("true or false", lambda v: isinstance(v, bool))
+_STRS = _Type(
+    "a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)
+)
+_TABLE = _Type("a table", lambda v: isinstance(v, dict))
+
+_TOP: dict[str, _Type] = {
+    "model": _STR,
+    "samples": _STR,
+    "calibration": _STR,
+    "target": _STR,
+    "format": _STR,
+    "model_name": _STR,
+    "output_dir": _STR,
+    "cache_dir": _STR,
+    "quantization": _TABLE,
+    "options": _TABLE,
+}
+_QUANTIZATION: dict[str, _Type] = {"preset": _STR, "quantizer": _STR}
+_OPTIONS: dict[str, _Type] = {
+    "opset": _INT,
+    "encodings_version": _STR,
+    "input_names": _STRS,
+    "output_names": _STRS,
+    "external_data": _BOOL,
+    "fake_quantize_weights": _BOOL,
+    "check_numerics": _BOOL,
+}
+_TABLES: dict[str, dict[str, _Type]] = {"quantization": _QUANTIZATION, "options": _OPTIONS}
+
+
+def _suggest(key: str, known: Iterable[str]) -> str:
+    known = sorted(known)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"{hint} Known keys: {', '.join(known)}"
+
+
+def _describe(value: Any) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
+    kinds.update({list: "a list", dict: "a table"})
+    return f"{value!r} ({kinds.get(type(value), type(value).__name__)})"
+
+
+def _validate(table: Mapping[str, Any], where: str) -> None:
+    """Unknown keys and wrong types, each a ConfigError naming the key and its table."""
+    for key, value in table.items():
+        if key not in _TOP:
+            raise ConfigError(f"{where}: unknown top-level key '{key}'{_suggest(key, _TOP)}")
+        _check_type(key, value, _TOP[key], where)
+        if key in _TABLES:
+            schema = _TABLES[key]
+            for sub, subvalue in value.items():
+                if sub not in schema:
+                    raise ConfigError(
+                        f"{where}: unknown key '{sub}' in [{key}]{_suggest(sub, schema)}"
+                    )
+                _check_type(f"{key}.{sub}", subvalue, schema[sub], where)
+
+
+def _check_type(key: str, value: Any, expected: _Type, where: str) -> None:
+    if not expected.accepts(value):
+        raise ConfigError(f"{where}: '{key}' must be {expected.label}, got {_describe(value)}")
+
+
+# --------------------------------------------------------------------------- finding & reading
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from err
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror or err}") from err
+
+
+def _pyproject_table(path: Path, required: bool) -> dict[str, Any] | None:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror or err}") from err
+    if "graphbuild" not in text and not required:
+        return None  # cheap: do not parse every unrelated pyproject.toml on the way up
+    doc = _read_toml(path)
+    table = doc.get("tool", {}).get("graphbuild")
+    if table is None:
+        if required:
+            raise ConfigError(f"{path} has no [tool.graphbuild] table")
+        return None
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [tool.graphbuild] must be a table, got {_describe(table)}")
+    return table
+
+
+def find_config(start: str | os.PathLike | None = None) -> Path | None:
+    """The first ``graphbuild.toml``, or ``pyproject.toml`` with ``[tool.graphbuild]``, from
+    ``start`` (default: the working directory) upward; None when there is none."""
+    here = Path(start or os.getcwd()).resolve()
+    for directory in (here, *here.parents):
+        candidate = directory / CONFIG_FILE
+        if candidate.is_file():
+            return candidate
+        pyproject = directory / PYPROJECT
+        if pyproject.is_file() and _pyproject_table(pyproject, required=False) is not None:
+            return pyproject
+    return None
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if path.name == PYPROJECT:
+        return _pyproject_table(path, required=True) or {}
+    return _read_toml(path)
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"options.opset=17"`` -> ``("options.opset", 17)``: the value as a TOML value when it
+    parses as one (numbers, booleans, quoted strings, lists), else as a plain string."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set expects KEY=VALUE (e.g. options.opset=17), got {text!r}")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def _apply_override(table: dict[str, Any], key: str, value: Any) -> None:
+    head, dot, tail = key.partition(".")
+    if not dot:
+        if head not in _TOP:
+            raise ConfigError(f"--set: unknown top-level key '{head}'{_suggest(head, _TOP)}")
+        table[head] = value
+        return
+    if head not in _TABLES:
+        known = [f"{t}.{k}" for t, schema in _TABLES.items() for k in schema] + list(_TOP)
+        raise ConfigError(f"--set: unknown key '{key}'{_suggest(key, known)}")
+    schema = _TABLES[head]
+    if tail not in schema:
+        raise ConfigError(f"--set: unknown key '{tail}' in [{head}]{_suggest(tail, schema)}")
+    sub = table.setdefault(head, {})
+    if not isinstance(sub, dict):
+        raise ConfigError(f"'{head}' must be {_TABLE.label}, got {_describe(sub)}")
+    if head == "quantization":  # a preset on the command line replaces a configured quantizer
+        sub.pop("quantizer" if tail == "preset" else "preset", None)
+    sub[tail] = value
+
+
+# --------------------------------------------------------------------------- the config
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated configuration. Paths are absolute; specs are imported on demand."""
+
+    root: Path
+    source: Path | None = None
+    model: str | None = None
+    samples: str | None = None
+    calibration: str | None = None
+    target: str = "qnn"
+    format: str = "onnx"
+    model_name: str | None = None
+    output_dir: Path = Path(DEFAULT_OUTPUT_DIR)
+    cache_dir: Path | None = None
+    preset: str | None = None
+    quantizer: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_id(self) -> str:
+        """The scheduler's run id for this export, as ``graphbuild.api`` forms it."""
+        return f"{self.target}:{self.model_name}"
+
+    @property
+    def where(self) -> str:
+        return str(self.source) if self.source else "command line"
+
+    # ----------------------------------------------------------------- imports
+
+    def load_model(self) -> tuple[Any, Any, list[Any] | None]:
+        """Import and call the model factory: ``(model, sample_inputs, calibration)``."""
+        import torch
+
+        if not self.model:
+            raise ConfigError(
+                f'no model configured in {self.where}: set model = "path/to/model.py:build" '
+                "or pass --model path/to/model.py:build"
+            )
+        factory = _resolve(self.model, self.root, "model")
+        if not callable(factory):
+            raise ConfigError(
+                f"model {self.model!r} is {type(factory).__name__}, not a callable factory"
+            )
+        result = _call(factory, self.model, "model factory")
+        samples: Any = None
+        if isinstance(result, torch.nn.Module):
+            model = result
+        elif (
+            isinstance(result, (tuple, list))
+            and len(result) == 2
+            and isinstance(result[0], torch.nn.Module)
+        ):
+            model, samples = result
+        else:
+            raise ConfigError(
+                f"model factory {self.model!r} returned {_kind(result)}; expected a "
+                "torch.nn.Module or a (module, sample_inputs) tuple"
+            )
+        if self.samples:
+            samples = self._value(self.samples, "samples")
+        elif samples is None:
+            raise ConfigError(
+                f"model factory {self.model!r} returned only a module; return "
+                '(module, sample_inputs) or set samples = "file.py:fn"'
+            )
+        calibration = None
+        if self.calibration:
+            calibration = self._value(self.calibration, "calibration")
+            if isinstance(calibration, (str, bytes, Mapping)) or not isinstance(
+                calibration, Iterable
+            ):
+                raise ConfigError(
+                    f"calibration {self.calibration!r} gave {_kind(calibration)}; expected a "
+                    "list of batches (each a tuple of positional inputs or a tensor)"
+                )
+            calibration = list(calibration)
+        return model, samples, calibration
+
+    def _value(self, spec: str, key: str) -> Any:
+        obj = _resolve(spec, self.root, key)
+        return _call(obj, spec, key) if callable(obj) else obj
+
+    def quantizer_object(self) -> Any:
+        """The configured quantizer: a preset name, a torchao Quantizer, or None."""
+        if self.preset is not None:
+            if self.preset in PRESET_NAMES:  # skip importing torchao (2 s) on a warm run
+                return self.preset
+            from .quant.preset import PRESETS
+
+            if self.preset not in PRESETS:
+                raise ConfigError(
+                    f"{self.where}: unknown quantization preset '{self.preset}'"
+                    f"{_suggest(self.preset, PRESETS).replace('Known keys', 'Known presets')}"
+                )
+            return self.preset
+        if self.quantizer is None:
+            return None
+        from torchao.quantization.pt2e.quantizer import Quantizer
+
+        obj = _resolve(self.quantizer, self.root, "quantizer")
+        if not isinstance(obj, Quantizer) and callable(obj):
+            obj = _call(obj, self.quantizer, "quantizer factory")
+        if not isinstance(obj, Quantizer):
+            raise ConfigError(
+                f"quantizer {self.quantizer!r} gave {_kind(obj)}; expected a torchao "
+                "Quantizer (torchao.quantization.pt2e.quantizer.Quantizer) or a zero-argument "
+                "factory returning one"
+            )
+        return obj
+
+    def export_options(self, calibration: list[Any] | None = None) -> Any:
+        """Options for ``graphbuild.api``: ``QnnOnnxOptions`` for the qnn target, else a dict."""
+        options = dict(self.options)
+        for key in ("input_names", "output_names"):
+            if options.get(key) is not None:
+                options[key] = tuple(options[key])
+        quantizer = self.quantizer_object()
+        if self.target != "qnn":
+            return {**options, "quantizer": quantizer, "calibration": calibration}
+        from .targets.qnn import QnnOnnxOptions
+
+        try:
+            return QnnOnnxOptions(**options, quantizer=quantizer, calibration=calibration)
+        except ConfigError as err:
+            raise ConfigError(f"{self.where}: [options] {err}") from err
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    cwd: str | os.PathLike | None = None,
+    overrides: Iterable[str | tuple[str, Any]] = (),
+    *,
+    required: bool = True,
+) -> Config:
+    """Find, read, override and validate the configuration.
+
+    ``path`` names the file (``graphbuild.toml`` or a ``pyproject.toml``); without it the
+    first one from ``cwd`` upward is used. ``overrides`` are ``"key=value"`` strings (as
+    ``--set`` gives them; dotted keys reach into tables) or ``(key, value)`` pairs. With no
+    file, a ``model`` override, or ``required=False``, stands in for one, rooted at ``cwd``.
+    """
+    here = Path(cwd or os.getcwd()).resolve()
+    pairs = [parse_override(o) if isinstance(o, str) else tuple(o) for o in overrides]
+    if path is not None:
+        source: Path | None = (here / Path(path).expanduser()).resolve()
+        if not source.is_file():
+            raise ConfigError(f"config file {source} does not exist")
+    else:
+        source = find_config(here)
+    if source is None:
+        if required and not any(k == "model" for k, _ in pairs):
+            raise ConfigError(
+                f"no {CONFIG_FILE} (or [tool.graphbuild] in {PYPROJECT}) found in {here} or "
+                f"any parent directory. Create {here / CONFIG_FILE}, for example:\n\n{_EXAMPLE}"
+                "\nor pass --model path/to/model.py:build (or --config FILE)."
+            )
+        table: dict[str, Any] = {}
+        root = here
+    else:
+        table = copy.deepcopy(_read_config(source))
+        root = source.parent
+    where = str(source) if source else "command line"
+    _validate(table, where)
+    for key, value in pairs:
+        _apply_override(table, key, value)
+    _validate(table, f"{where} (with --set)" if pairs else where)
+    return _build(table, root, source)
+
+
+def _build(table: dict[str, Any], root: Path, source: Path | None) -> Config:
+    where = str(source) if source else "command line"
+    quant = table.get("quantization", {})
+    if "preset" in quant and "quantizer" in quant:
+        raise ConfigError(
+            f"{where}: [quantization] sets both 'preset' and 'quantizer'; keep one of them"
+        )
+    for key in ("model", "samples", "calibration"):
+        if key in table:
+            _split(table[key], key)
+    if "quantizer" in quant:
+        _split(quant["quantizer"], "quantization.quantizer")
+    model = table.get("model")
+    name = table.get("model_name") or (_stem(model) if model else None)
+    cache_dir = table.get("cache_dir")
+    return Config(
+        root=root,
+        source=source,
+        model=model,
+        samples=table.get("samples"),
+        calibration=table.get("calibration"),
+        target=table.get("target", "qnn"),
+        format=table.get("format", "onnx"),
+        model_name=name,
+        output_dir=_path(root, table.get("output_dir", DEFAULT_OUTPUT_DIR)),
+        cache_dir=_path(root, cache_dir) if cache_dir else None,
+        preset=quant.get("preset"),
+        quantizer=quant.get("quantizer"),
+        options=dict(table.get("options", {})),
+    )
+
+
+def _path(root: Path, value: str | os.PathLike) -> Path:
+    return (root / Path(value).expanduser()).resolve()
+
+
+# --------------------------------------------------------------------------- specs
+
+
+def _split(spec: str, key: str) -> tuple[str, str]:
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr or not all(p.isidentifier() for p in attr.split(".")):
+        raise ConfigError(
+            f"'{key}' must look like 'path/to/file.py:name' or 'package.module:name', got {spec!r}"
+        )
+    return target, attr
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def _stem(spec: str) -> str:
+    target = spec.rpartition(":")[0] or spec
+    if _is_file(target):
+        return Path(target).stem
+    return target.rsplit(".", 1)[-1]
+
+
+def _on_path(directory: Path, front: bool) -> None:
+    entry = str(directory)
+    if entry in sys.path:
+        return
+    if front:
+        sys.path.insert(0, entry)
+    else:
+        sys.path.append(entry)
+
+
+def _module_name(path: Path) -> str:
+    """A stable module name for a file: the same file always loads under the same name, so
+    the class names and source files that structure fingerprints record do not change from
+    one run (or process) to the next."""
+    stem = re.sub(r"\W", "_", path.stem)
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    return f"graphbuild_user_{stem}_{digest}"
+
+
+def _load_file(path: Path, spec: str) -> Any:
+    if not path.is_file():
+        raise ConfigError(f"{spec!r}: file {path} does not exist")
+    name = _module_name(path)
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    _on_path(path.parent, front=False)  # its sibling modules import as in a script
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"{spec!r}: cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise ConfigError(f"importing {path} raised {type(err).__name__}: {err}") from err
+    return module
+
+
+def _import_module(target: str, spec: str) -> Any:
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as err:
+        if err.name and (target == err.name or target.startswith(err.name + ".")):
+            raise ConfigError(
+                f"{spec!r}: no module named '{err.name}' (searched sys.path, which starts "
+                "with the config file's directory)"
+            ) from err
+        raise ConfigError(f"importing {target} raised ModuleNotFoundError: {err}") from err
+    except Exception as err:
+        raise ConfigError(f"importing {target} raised {type(err).__name__}: {err}") from err
+
+
+def _resolve(spec: str, root: Path, key: str) -> Any:
+    """The object a ``file.py:attr`` or ``module:attr`` spec names."""
+    target, attr = _split(spec, key)
+    _on_path(root, front=True)
+    if _is_file(target):
+        module = _load_file((root / Path(target).expanduser()).resolve(), spec)
+    else:
+        module = _import_module(target, spec)
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{key} {spec!r}: {target} has no attribute '{part}'{hint}") from None
+    return obj
+
+
+def _call(fn: Any, spec: str, what: str) -> Any:
+    try:
+        return fn()
+    except TypeError as err:
+        if _needs_arguments(fn):
+            raise ConfigError(f"{what} {spec!r} must take no arguments: {err}") from err
+        raise ConfigError(f"{what} {spec!r} raised TypeError: {err}") from err
+    except Exception as err:
+        raise ConfigError(f"{what} {spec!r} raised {type(err).__name__}: {err}") from err
+
+
+def _needs_arguments(fn: Any) -> bool:
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.default is p.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        for p in sig.parameters.values()
+    )
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, tuple):
+        inner = ", ".join(type(v).__name__ for v in value[:4])
+        return f"a tuple of {len(value)} ({inner})"
+    return f"{type(value).__name__} {value!r}"[:120]

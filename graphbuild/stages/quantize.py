@@ -1,0 +1,209 @@
+"""The quantize stage: torchao PT2E post-training quantization of a captured program.
+
+The captured program is structure only (its state may be zero-stride placeholders), so the real
+weights come in through ``state``. Conversion uses ``fold_quantize=False``: weights stay float
+state followed by quantize/dequantize ops, which the normalize stage turns into markers like any
+other quantizer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+from torch.fx import GraphModule
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+from torchao.quantization.pt2e.quantizer import Quantizer
+
+from graphbuild.errors import ConfigError, ExportError
+from graphbuild.quant.preset import PRESETS, QnnQuantizer
+
+__all__ = ["load_state", "quantize_program", "resolve_quantizer"]
+
+
+def quantize_program(
+    program: torch.export.ExportedProgram,
+    state: Mapping[str, torch.Tensor],
+    quantizer: str | Quantizer,
+    calibration: Iterable,
+    sample_inputs: tuple,
+) -> torch.export.ExportedProgram:
+    """Quantize ``program`` with real weights from ``state``; return the re-exported program.
+
+    ``quantizer`` is a preset name (see ``graphbuild.quant.preset.PRESETS``) or any torchao
+    ``Quantizer``. Each calibration batch is a tuple of positional args or a single tensor; an
+    empty calibration falls back to ``sample_inputs`` once, with a warning. The result holds
+    ``quantized_decomposed`` quantize/dequantize ops around every quantized tensor.
+    """
+    resolved = resolve_quantizer(quantizer)
+    module = program.module()
+    load_state(module, program, state)
+    prepared = prepare_pt2e(module, resolved)
+    _calibrate(prepared, calibration, sample_inputs)
+    _check_observed_ranges(prepared)
+    converted = convert_pt2e(prepared, fold_quantize=False)
+    return torch.export.export(converted, tuple(sample_inputs))
+
+
+def resolve_quantizer(quantizer: str | Quantizer) -> Quantizer:
+    """A torchao Quantizer from a preset name or an instance; anything else is a ConfigError."""
+    if isinstance(quantizer, str):
+        return QnnQuantizer(quantizer)
+    if isinstance(quantizer, Quantizer):
+        return quantizer
+    raise ConfigError(
+        f"quantizer must be a preset name ({', '.join(PRESETS)}) or a "
+        f"torchao.quantization.pt2e.quantizer.Quantizer instance, got {type(quantizer).__name__}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# State loading
+
+
+def load_state(
+    module: GraphModule,
+    program: torch.export.ExportedProgram,
+    state: Mapping[str, torch.Tensor],
+) -> None:
+    """Put the real tensors of ``state`` into ``module`` (from ``program.module()``), in place.
+
+    Names are the program's state_dict / constants FQNs. A name that aliases others in the
+    module (tied weights) sets every alias, so tied tensors may appear once or under each name.
+    Every state_dict entry and every placeholder constant must end up loaded; names in
+    ``state`` that the program does not hold are ignored.
+    """
+    targets = _tensor_slots(module, [*program.state_dict, *program.constants])
+    aliases = _alias_groups(targets)
+    loaded: set[str] = set()
+    for name, value in state.items():
+        if name not in targets:
+            continue
+        _check_compatible(name, targets[name], value)
+        for alias in aliases[id(targets[name])]:
+            _set_tensor(module, alias, value)
+            loaded.add(alias)
+    _check_all_loaded(program, targets, loaded)
+
+
+def _tensor_slots(module: GraphModule, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``module`` holds under ``names`` (names it does not hold are left out)."""
+    slots: dict[str, torch.Tensor] = {}
+    for name in names:
+        value = _get_attr(module, name)
+        if isinstance(value, torch.Tensor):
+            slots[name] = value
+    return slots
+
+
+def _alias_groups(targets: Mapping[str, torch.Tensor]) -> dict[int, list[str]]:
+    """Names grouped by the identity of the tensor object they hold (ties share one object)."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in targets.items():
+        groups.setdefault(id(tensor), []).append(name)
+    return groups
+
+
+def _get_attr(module: torch.nn.Module, name: str) -> object:
+    obj: object = module
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replace the parameter, buffer or plain tensor attribute ``name`` with ``value``."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    value = value.detach()
+    if leaf in parent._parameters:
+        parent._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+    elif leaf in parent._buffers:
+        parent._buffers[leaf] = value
+    else:
+        setattr(parent, leaf, value)
+
+
+def _check_compatible(name: str, current: torch.Tensor, value: object) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ExportError(f"state '{name}' is a {type(value).__name__}, not a tensor")
+    if value.shape != current.shape or value.dtype != current.dtype:
+        raise ExportError(
+            f"state '{name}' has shape {tuple(value.shape)} and dtype {value.dtype}; the program "
+            f"expects {tuple(current.shape)} and {current.dtype}"
+        )
+
+
+def _is_placeholder(tensor: torch.Tensor) -> bool:
+    """A zero-stride dummy standing in for a tensor the capture stage did not store."""
+    return tensor.numel() > 1 and 0 in tensor.stride()
+
+
+def _check_all_loaded(
+    program: torch.export.ExportedProgram,
+    targets: Mapping[str, torch.Tensor],
+    loaded: set[str],
+) -> None:
+    """Every state_dict entry and every placeholder constant must have been loaded."""
+    missing = [
+        name
+        for name, tensor in targets.items()
+        if name not in loaded and (name in program.state_dict or _is_placeholder(tensor))
+    ]
+    if missing:
+        shown = ", ".join(sorted(missing)[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ExportError(
+            f"state lacks {len(missing)} tensor(s) the program needs: {shown}. Pass the full "
+            "state (model.state_dict() plus non-persistent buffers); tied weights must either "
+            "share one tensor in the program or appear under every name."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration
+
+
+def _calibrate(prepared: GraphModule, calibration: Iterable, sample_inputs: tuple) -> None:
+    """Run every calibration batch through the observed model (sample inputs when none)."""
+    ran = 0
+    with torch.no_grad():
+        for batch in _batches(calibration):
+            prepared(*batch)
+            ran += 1
+        if ran == 0:
+            warnings.warn(
+                "quantize: no calibration batches; calibrating on the sample inputs once",
+                stacklevel=3,
+            )
+            prepared(*tuple(sample_inputs))
+
+
+def _batches(calibration: Iterable) -> Iterator[tuple]:
+    """Positional-argument tuples from batches that are tuples, lists or single values."""
+    for batch in calibration:
+        yield tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def _check_observed_ranges(prepared: GraphModule) -> None:
+    """Fail on an observer that saw inf or nan: its scale would be meaningless.
+
+    The usual cause is an additive ``-inf`` attention mask flowing into a quantized op.
+    """
+    for node in prepared.graph.nodes:
+        if node.op != "call_module":
+            continue
+        observer = prepared.get_submodule(node.target)
+        low, high = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
+        if not (isinstance(low, torch.Tensor) and isinstance(high, torch.Tensor)):
+            continue
+        untouched = (low == float("inf")) & (high == float("-inf"))
+        if bool((~untouched & ~(torch.isfinite(low) & torch.isfinite(high))).any()):
+            source = node.args[0].name if node.args else node.name
+            raise ExportError(
+                f"quantize: the values observed at '{source}' are not finite "
+                f"(min {low.min().item()}, max {high.max().item()}); a quantizer there would have "
+                "no valid scale. Use a finite attention mask or keep that op in float."
+            )

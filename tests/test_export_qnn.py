@@ -1,0 +1,252 @@
+"""QNN export end to end: files, numerics in onnxruntime, and clear errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+import graphbuild as gb
+from examples import convnet, tiny_decoder
+from graphbuild.stages.encodings import read_encodings
+from tests.models import FakeQuantConvNet, LearnableFakeQuantNet
+
+SAMPLE = (torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(5)),)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> gb.Cache:
+    return gb.Cache(tmp_path_factory.mktemp("cache"))
+
+
+def export(model, samples, out: Path, cache, fmt="onnx", **options) -> gb.ExportArtifacts:
+    options.setdefault("check_numerics", True)
+    return gb.export(
+        model, samples, out, "model", format=fmt, options=gb.QnnOnnxOptions(**options), cache=cache
+    )
+
+
+def assert_numerics(art: gb.ExportArtifacts, steps: float = 2.0, sqnr: float = 40.0) -> None:
+    report = art.report.extra["numerics"]
+    assert report["outputs"], "the numerics check compared no output"
+    for out in report["outputs"]:
+        assert out["sqnr_db"] > sqnr, out
+        if out["max_error_steps"] is not None:
+            assert out["max_error_steps"] <= steps, out
+
+
+def graph_tensor_names(model: onnx.ModelProto) -> set[str]:
+    g = model.graph
+    names = {i.name for i in g.input} | {o.name for o in g.output} | {i.name for i in g.initializer}
+    for node in g.node:
+        names.update(node.output)
+    return names
+
+
+def no_marker_left(model: onnx.ModelProto) -> bool:
+    return all(n.domain != "graphbuild" for n in model.graph.node) and all(
+        o.domain != "graphbuild" for o in model.opset_import
+    )
+
+
+# --------------------------------------------------------------------------- ConvNet
+
+
+def test_convnet_w8a8_exports_onnx_encodings_and_lock(tmp_path, cache):
+    model, samples = convnet.build()
+    art = export(
+        model, samples, tmp_path, cache, quantizer="w8a8", calibration=convnet.calibration()
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "graphbuild.lock.json",
+        "model.encodings",
+        "model.onnx",
+    ]
+    onnx_model = onnx.load(tmp_path / "model.onnx")
+    assert no_marker_left(onnx_model)
+    assert_numerics(art)
+    lock = json.loads((tmp_path / "graphbuild.lock.json").read_text())
+    assert set(lock["files"]) == {"model.onnx", "model.encodings"}
+    assert lock["stages"]["capture"]["key"] == art.report["capture"].key
+
+
+def test_convnet_w8a8_exports_onnx_qdq_that_runs_in_onnxruntime(tmp_path, cache):
+    model, samples = convnet.build()
+    art = export(
+        model,
+        samples,
+        tmp_path,
+        cache,
+        "onnx_qdq",
+        quantizer="w8a8",
+        calibration=convnet.calibration(),
+    )
+    onnx_model = onnx.load(tmp_path / "model.onnx")
+    ops = {n.op_type for n in onnx_model.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    assert no_marker_left(onnx_model)
+    assert_numerics(art)
+
+
+def test_encodings_name_graph_tensors_one_entry_per_quantizer(tmp_path, cache):
+    model = FakeQuantConvNet().eval()
+    art = export(model, SAMPLE, tmp_path, cache)
+    doc = json.loads((tmp_path / "model.encodings").read_text())
+    entries = doc["activation_encodings"] + doc["param_encodings"]
+    names = graph_tensor_names(onnx.load(tmp_path / "model.onnx"))
+    assert all(e["name"] in names for e in entries)
+    assert len(entries) == 4 + 3  # four activation quantizers, three weight quantizers
+    assert {e["name"] for e in doc["param_encodings"]} == {
+        "conv1.weight",
+        "conv2.weight",
+        "fc.weight",
+    }
+    assert_numerics(art)
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "onnx_qdq"])
+def test_fake_quant_convnet_needs_no_quantize_stage(tmp_path, cache, fmt):
+    art = export(FakeQuantConvNet().eval(), SAMPLE, tmp_path, cache, fmt)
+    assert "quantize" not in art.report.statuses
+    assert_numerics(art)
+
+
+def test_learnable_fake_quant_model_exports(tmp_path, cache):
+    model = LearnableFakeQuantNet().eval()
+    art = export(model, (torch.randn(2, 16),), tmp_path, cache)
+    doc = json.loads((tmp_path / "model.encodings").read_text())
+    assert {e["name"] for e in doc["param_encodings"]} == {"fc1.weight"}
+    for out in art.report.extra["numerics"]["outputs"]:
+        assert out["sqnr_db"] > 40
+
+
+def test_pt2e_converted_graph_exports_without_quantize_stage(tmp_path, cache):
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from graphbuild.quant.preset import QnnQuantizer
+
+    model, samples = convnet.build()
+    gm = torch.export.export(model, samples).module()
+    prepared = prepare_pt2e(gm, QnnQuantizer("w8a8"))
+    for batch in convnet.calibration():
+        prepared(*batch)
+    converted = convert_pt2e(prepared, fold_quantize=False)
+    art = export(converted, samples, tmp_path, cache)
+    assert "quantize" not in art.report.statuses
+    assert_numerics(art)
+
+
+# --------------------------------------------------------------------------- decoder
+
+
+@pytest.mark.parametrize("preset", ["w8a8", "w8a16", "w4a16"])
+def test_tiny_decoder_passes_numerics_for_each_preset(tmp_path, cache, preset):
+    model, samples = tiny_decoder.build()
+    art = export(
+        model, samples, tmp_path, cache, quantizer=preset, calibration=tiny_decoder.calibration()
+    )
+    assert_numerics(art)
+
+
+@pytest.mark.parametrize("preset", ["w8a16", "w4a16"])
+def test_tiny_decoder_a16_presets_export_qdq_at_opset_21(tmp_path, cache, preset):
+    model, samples = tiny_decoder.build()
+    art = export(
+        model,
+        samples,
+        tmp_path,
+        cache,
+        "onnx_qdq",
+        quantizer=preset,
+        calibration=tiny_decoder.calibration(),
+        opset=21,
+    )
+    onnx_model = onnx.load(tmp_path / "model.onnx")
+    assert [o.version for o in onnx_model.opset_import if o.domain in ("", "ai.onnx")] == [21]
+    assert_numerics(art)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_target_format_lists_known_ones(tmp_path):
+    with pytest.raises(gb.ExportError, match="qnn/onnx_qdq"):
+        gb.export(FakeQuantConvNet(), SAMPLE, tmp_path, "m", format="tflite", cache=False)
+
+
+def test_model_name_with_path_separator_is_refused(tmp_path):
+    with pytest.raises(gb.ExportError, match="path separator"):
+        gb.export(FakeQuantConvNet(), SAMPLE, tmp_path, "sub/model", cache=False)
+
+
+class Untraceable(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            return x * 2
+        return x
+
+
+def test_untraceable_model_names_capture_and_keeps_torch_message(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(gb.StageError) as err:
+        gb.export(Untraceable(), (torch.randn(3),), out, "m", cache=False)
+    assert err.value.stage == "capture"
+    assert "capture" in str(err.value)
+    assert "data-dependent" in str(err.value).lower() or "guard" in str(err.value).lower()
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_int4_qdq_below_opset_21_says_the_minimum(tmp_path, cache):
+    model, samples = tiny_decoder.build()
+    with pytest.raises(gb.StageError, match="21"):
+        export(
+            model,
+            samples,
+            tmp_path,
+            cache,
+            "onnx_qdq",
+            quantizer="w4a16",
+            calibration=tiny_decoder.calibration(),
+            opset=17,
+            check_numerics=False,
+        )
+    assert not (tmp_path / "model.onnx").exists()
+
+
+class UnknownQuantOp(torch.nn.Module):
+    def forward(self, x):
+        q = torch.ops.aten.quantize_per_tensor(x, 0.1, 0, torch.quint8)
+        return q.dequantize()
+
+
+def test_unknown_quantization_op_names_op_and_node(tmp_path):
+    with pytest.raises(gb.StageError) as err:
+        gb.export(UnknownQuantOp(), (torch.randn(4),), tmp_path, "m", cache=False)
+    assert err.value.stage in ("capture", "normalize")
+    assert "quantize" in str(err.value)
+
+
+def test_failed_export_leaves_previous_outputs_untouched(tmp_path, cache):
+    model = FakeQuantConvNet().eval()
+    export(model, SAMPLE, tmp_path, cache)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    broken = copy.deepcopy(model)
+    broken.fc = torch.nn.Linear(3, 3)  # shapes no longer fit: capture fails
+    with pytest.raises(gb.StageError):
+        export(broken, SAMPLE, tmp_path, cache)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_encodings_read_back_match_the_quantizers(tmp_path, cache):
+    model = FakeQuantConvNet().eval()
+    export(model, SAMPLE, tmp_path, cache, check_numerics=False)
+    table = read_encodings(json.loads((tmp_path / "model.encodings").read_text()))
+    w = table["conv1.weight"]
+    assert torch.allclose(torch.from_numpy(w.scale), model.conv1_w_scale)
+    assert w.granularity == "PER_CHANNEL"

@@ -1,0 +1,163 @@
+"""DESIGN.md's rerun table: after each kind of change, exactly these stages rerun."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import graphbuild as gb
+from examples import convnet
+from graphbuild.scheduler import EventKind
+from tests.models import BatchNormTrap, FakeQuantConvNet
+
+SAMPLE = (torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(3)),)
+STRUCTURE = ("capture", "normalize", "to_onnx", "lower_markers")
+
+
+def build(model, out, cache, fmt="onnx", events=None, **options):
+    return gb.export(
+        model,
+        SAMPLE,
+        out,
+        "model",
+        format=fmt,
+        options=gb.QnnOnnxOptions(**options),
+        cache=cache,
+        listeners=[events.append] if events is not None else (),
+    ).report
+
+
+def hit(report, *stages):
+    return all(report.statuses[s] in ("hit", "cutoff") for s in stages)
+
+
+@pytest.fixture()
+def warm(tmp_path):
+    """A fake-quantized ConvNet exported once: the model, output dir and cache."""
+    model = FakeQuantConvNet().eval()
+    cache = gb.Cache(tmp_path / "cache")
+    build(model, tmp_path / "out", cache)
+    return model, tmp_path / "out", cache
+
+
+def test_nothing_changed_reruns_nothing_and_loads_no_intermediate(warm):
+    model, out, cache = warm
+    events = []
+    report = build(model, out, cache, events=events)
+    assert set(report.statuses.values()) == {"hit"}
+    loaded = {e.stage for e in events if e.kind is EventKind.LOADED}
+    assert loaded <= {"bind", "encodings"}  # only the final artifacts, to place them
+
+
+def test_scales_only_rerun_values_stages_not_tracing(warm):
+    model, out, cache = warm
+    with torch.no_grad():
+        model.a1_scale.mul_(1.5)
+        model.conv2_w_scale.mul_(1.1)
+    report = build(model, out, cache)
+    assert hit(report, *STRUCTURE)
+    assert report.statuses["qparams"] == "ran"
+    assert report.statuses["bind"] == "ran"
+    assert report.statuses["encodings"] == "ran"
+
+
+def test_weights_only_rerun_bind_not_tracing(warm):
+    model, out, cache = warm
+    with torch.no_grad():
+        model.conv1.weight.add_(0.01)
+    report = build(model, out, cache)
+    assert hit(report, *STRUCTURE)
+    assert report.statuses["bind"] == "ran"
+    assert hit(report, "encodings")  # quantizer values unchanged: early cutoff
+
+
+def test_encodings_version_reruns_encodings_only(warm):
+    model, out, cache = warm
+    report = build(model, out, cache, encodings_version="2.0.0")
+    assert report.ran == ["encodings"]
+
+
+def test_opset_reruns_to_onnx_and_after_keeps_capture_and_normalize(warm):
+    model, out, cache = warm
+    report = build(model, out, cache, opset=18)
+    assert hit(report, "capture", "normalize", "qparams")
+    assert report.statuses["to_onnx"] == "ran"
+    assert "opset" in report["to_onnx"].reason
+
+
+def test_io_names_rerun_to_onnx(warm):
+    model, out, cache = warm
+    report = build(model, out, cache, input_names=["image"], output_names=["logits"])
+    assert hit(report, "capture", "normalize")
+    assert report.statuses["to_onnx"] == "ran"
+
+
+def test_onnx_to_onnx_qdq_reruns_format_stages_only(warm):
+    model, out, cache = warm
+    report = build(model, out, cache, fmt="onnx_qdq")
+    assert hit(report, "capture", "normalize", "to_onnx", "qparams")
+    assert report.statuses["lower_markers"] == "ran"
+    assert report.statuses["bind"] == "ran"
+
+
+def test_structure_change_reruns_from_capture(warm):
+    model, out, cache = warm
+    changed = copy.deepcopy(model)
+    changed.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)  # module tree changes
+    report = build(changed, out, cache)
+    assert report.statuses["capture"] == "ran"
+    assert "input.structure" in report["capture"].reason
+
+
+def test_bit_width_change_reruns_from_normalize(warm):
+    model, out, cache = warm
+    changed = copy.deepcopy(model)
+    for name in ("x", "a1", "a2", "out"):
+        getattr(changed, f"{name}_zp").clamp_(0, 15)
+    changed.act = lambda x, name: torch.fake_quantize_per_tensor_affine(  # 4-bit activations
+        x, getattr(changed, f"{name}_scale"), getattr(changed, f"{name}_zp"), 0, 15
+    )
+    report = build(changed, out, cache)
+    assert report.statuses["capture"] == "ran"
+    assert report.statuses["normalize"] == "ran"
+
+
+def test_preset_weights_change_recalibrates_but_does_not_retrace(tmp_path):
+    model, samples = convnet.build()
+    cache = gb.Cache(tmp_path / "cache")
+    opts = {"quantizer": "w8a8", "calibration": convnet.calibration()}
+    build(model, tmp_path / "out", cache, **opts)
+    with torch.no_grad():
+        model.conv1.weight.mul_(1.1)
+    report = build(model, tmp_path / "out", cache, **opts)
+    assert report.statuses["capture"] == "hit"
+    assert report.statuses["quantize"] == "ran"
+    assert hit(report, "to_onnx", "lower_markers")
+    assert report.statuses["bind"] == "ran"
+
+
+def test_batchnorm_trap_rebinds_correctly_after_weight_change(tmp_path):
+    torch.manual_seed(0)
+    model = BatchNormTrap().eval()
+    cache = gb.Cache(tmp_path / "cache")
+    build(model, tmp_path / "out", cache, check_numerics=True)
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-0.5, 0.5)
+        model.bn.running_var.uniform_(0.5, 2.0)
+        model.conv.bias.uniform_(-0.3, 0.3)
+    events = []
+    report = build(model, tmp_path / "out", cache, events=events, check_numerics=True)
+    assert hit(report, *STRUCTURE)
+    assert report.statuses["bind"] == "ran"
+    numerics = gb.export(
+        model,
+        SAMPLE,
+        tmp_path / "out",
+        "model",
+        options=gb.QnnOnnxOptions(check_numerics=True),
+        cache=cache,
+    ).report.extra["numerics"]
+    for out in numerics["outputs"]:
+        assert out["max_error_steps"] <= 2

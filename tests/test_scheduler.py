@@ -1,0 +1,376 @@
+"""The scheduler and rebuilder: minimality, early cutoff, laziness, reasons and errors."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from graphbuild.cache import BlobStore, Cache
+from graphbuild.errors import StageError, UndeclaredReadError
+from graphbuild.pipeline import Pipeline
+from graphbuild.scheduler import EventKind
+from tests.engine_helpers import CALLS, DECODES, Box, Recorder, reset, stage, tiny_net
+
+SAMPLES = (torch.zeros(1, 3, 8, 8),)
+CONTEXT = {"opset": 18, "enc_version": "1.0.0"}
+
+
+@pytest.fixture(autouse=True)
+def _clean_calls():
+    reset()
+    yield
+    reset()
+
+
+@pytest.fixture
+def cache(tmp_path):
+    c = Cache(tmp_path / "cache")
+    yield c
+    c.close()
+
+
+def _capture(model, samples, ctx):
+    shapes = [list(p.shape) for p in model.parameters()]
+    return Box(f"graph{shapes}{[list(s.shape) for s in samples]}")
+
+
+def _to_onnx(inputs, samples, ctx):
+    return Box(f"{inputs[0].text}@opset{ctx['opset']}")
+
+
+def _weights(model, samples, ctx):
+    return Box(repr([round(float(p.detach().sum()), 6) for p in model.parameters()]))
+
+
+def _bind(inputs, samples, ctx):
+    return Box(" + ".join(i.text for i in inputs))
+
+
+def _encodings(inputs, samples, ctx):
+    return Box(f"{ctx['enc_version']}:{inputs[0].text}")
+
+
+def export_pipeline() -> Pipeline:
+    """capture -> to_onnx -> bind <- weights -> encodings, like the reference plan."""
+    p = Pipeline(name="export")
+    capture = p.register_stage(
+        stage("capture", _capture), "capture", reads=("input.structure", "samples.spec")
+    )
+    to_onnx = p.register_stage(stage("to_onnx", _to_onnx), "to_onnx", reads=("ctx.opset",))
+    to_onnx.depends_on(capture)
+    weights = p.register_stage(stage("weights", _weights), "weights", reads=("input.state",))
+    p.register_stage(stage("bind", _bind), "bind", reads=()).depends_on(to_onnx, weights)
+    p.register_stage(
+        stage("encodings", _encodings), "encodings", reads=("ctx.enc_version",)
+    ).depends_on(weights)
+    return p
+
+
+def run(p, model, cache, context=CONTEXT, **kw):
+    """Run ``p`` and return (report, recorder), with the call and decode logs cleared first."""
+    reset()
+    rec = Recorder()
+    result = p.run(model, SAMPLES, context=context, cache=cache, listeners=[rec], **kw)
+    return result, rec
+
+
+# --------------------------------------------------------------------------- minimality
+
+
+def test_second_run_of_an_unchanged_pipeline_hits_everything_and_reads_no_artifact(
+    cache, monkeypatch
+):
+    first, _ = run(export_pipeline(), tiny_net(), cache)
+    assert first.report.ran == ["capture", "to_onnx", "weights", "bind", "encodings"]
+    blob_reads = []
+    real_read = BlobStore.read
+    monkeypatch.setattr(
+        BlobStore, "read", lambda self, *a, **k: blob_reads.append(a) or real_read(self, *a, **k)
+    )
+
+    # a fresh pipeline and a fresh model with equal weights: the next export, as a user runs it
+    second, rec = run(export_pipeline(), tiny_net(), cache)
+
+    assert set(second.report.statuses.values()) == {"hit"}
+    assert CALLS == []
+    assert rec.of(EventKind.LOADED) == []
+    assert DECODES == []
+    assert blob_reads == []
+    assert rec.of(EventKind.HIT) == ["capture", "to_onnx", "weights", "bind", "encodings"]
+
+
+def test_changing_a_context_key_reruns_only_its_readers_and_their_dependents(cache):
+    model, p = tiny_net(), export_pipeline()
+    run(p, model, cache)
+
+    result, _ = run(p, model, cache, context={**CONTEXT, "opset": 21})
+
+    assert result.report.ran == ["to_onnx", "bind"]
+    assert CALLS == ["to_onnx", "bind"]
+    assert result.report.with_status("hit") == ["capture", "weights", "encodings"]
+    assert result.outputs["bind"].text.split(" + ")[0].endswith("@opset21")
+
+
+def test_rerun_reason_names_the_context_key_with_old_and_new_values(cache):
+    model, p = tiny_net(), export_pipeline()
+    run(p, model, cache)
+
+    result, rec = run(p, model, cache, context={**CONTEXT, "enc_version": "2.0.0"})
+
+    record = result.report["encodings"]
+    assert record.reason == "ctx.enc_version: 1.0.0 -> 2.0.0"
+    assert [(c.read, c.old, c.new) for c in record.changes] == [
+        ("ctx.enc_version", "1.0.0", "2.0.0")
+    ]
+    started = [e for e in rec.events if e.kind is EventKind.STARTED]
+    assert [(e.stage, e.reason) for e in started] == [("encodings", record.reason)]
+
+
+def test_a_key_added_to_the_context_reruns_nothing_that_does_not_declare_it(cache):
+    model, p = tiny_net(), export_pipeline()
+    run(p, model, cache)
+
+    result, _ = run(p, model, cache, context={**CONTEXT, "unrelated": True})
+
+    assert result.report.ran == []
+
+
+def test_changing_weights_reruns_value_stages_but_never_capture_or_to_onnx(cache):
+    model, p = tiny_net(), export_pipeline()
+    run(p, model, cache)
+    with torch.no_grad():
+        model.fc.weight[0, 0] += 1.0
+
+    result, _ = run(p, model, cache)
+
+    assert result.report.ran == ["weights", "bind", "encodings"]
+    assert result.report.with_status("hit") == ["capture", "to_onnx"]
+
+
+def test_editing_a_stage_source_file_reruns_it_because_code_changed(cache, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = tmp_path / "gb_test_lower_stage.py"
+    source.write_text("def lower(inputs, samples, ctx):\n    return inputs[0].text.upper()\n")
+    importlib.invalidate_caches()
+    module = importlib.import_module("gb_test_lower_stage")
+    monkeypatch.setitem(sys.modules, "gb_test_lower_stage", module)  # dropped after the test
+
+    def build():
+        p = export_pipeline()
+        p.register_stage(module.lower, "lower", reads=()).depends_on("to_onnx")
+        return p
+
+    model = tiny_net()
+    run(build(), model, cache)
+    source.write_text(
+        textwrap.dedent(
+            """\
+            def lower(inputs, samples, ctx):
+                # now strips the opset suffix
+                return inputs[0].text.upper().split("@")[0]
+            """
+        )
+    )
+    module = importlib.reload(module)
+
+    result, _ = run(build(), model, cache)
+
+    assert result.report.ran == ["lower"]
+    assert result.report["lower"].reason == "code changed"
+    assert result.report["lower"].changes[0].read == "code"
+    assert "@" not in result.outputs["lower"]
+
+
+# --------------------------------------------------------------------------- early cutoff
+
+
+def test_identical_upstream_output_cuts_off_its_dependents(cache):
+    p = Pipeline(name="cutoff")
+    parity = p.register_stage(
+        stage("parity", lambda m, s, c: c["n"] % 2), "parity", reads=("ctx.n",)
+    )
+    down = p.register_stage(stage("down", lambda i, s, c: i[0] * 10), "down", reads=())
+    down.depends_on(parity)
+    p.register_stage(stage("last", lambda i, s, c: i[0] + 1), "last", reads=()).depends_on(down)
+    run(p, None, cache, context={"n": 1})
+
+    result, rec = run(p, None, cache, context={"n": 3})
+
+    assert result.report.statuses == {"parity": "ran", "down": "cutoff", "last": "hit"}
+    assert CALLS == ["parity"]
+    assert rec.of(EventKind.CUTOFF) == ["down"]
+    assert rec.of(EventKind.LOADED) == []
+    assert result.outputs["last"] == 11
+
+
+def test_different_upstream_output_reruns_its_dependents(cache):
+    p = Pipeline(name="cutoff")
+    parity = p.register_stage(
+        stage("parity", lambda m, s, c: c["n"] % 2), "parity", reads=("ctx.n",)
+    )
+    p.register_stage(stage("down", lambda i, s, c: i[0] * 10), "down", reads=()).depends_on(parity)
+    run(p, None, cache, context={"n": 1})
+
+    result, _ = run(p, None, cache, context={"n": 2})
+
+    assert result.report.ran == ["parity", "down"]
+    assert result.report["down"].reason == "output of 'parity' changed"
+    assert result.outputs["down"] == 0
+
+
+# --------------------------------------------------------------------------- laziness
+
+
+def test_a_hit_that_no_dirty_stage_needs_is_never_loaded(cache):
+    model, p = tiny_net(), export_pipeline()
+    run(p, model, cache)
+
+    result, rec = run(p, model, cache, context={**CONTEXT, "enc_version": "0.6.1"})
+
+    assert result.report.ran == ["encodings"]
+    assert rec.of(EventKind.LOADED) == ["weights"]
+    assert len(DECODES) == 1
+
+
+def test_a_hit_upstream_of_two_dirty_stages_is_loaded_exactly_once(cache):
+    model, p = tiny_net(), export_pipeline()
+    run(p, model, cache)
+
+    # weights stays a hit; bind (through to_onnx) and encodings both rerun and read it
+    result, rec = run(p, model, cache, context={"opset": 17, "enc_version": "2.0.0"})
+
+    assert result.report.ran == ["to_onnx", "bind", "encodings"]
+    assert result.report["weights"].status == "hit"
+    assert rec.of(EventKind.LOADED) == ["capture", "weights"]
+    assert len(DECODES) == 2
+
+
+def test_outputs_of_hits_are_loaded_only_when_asked_for(cache):
+    model, p = tiny_net(), export_pipeline()
+    fresh, _ = run(p, model, cache)
+    expected = fresh.outputs["bind"]
+
+    result, rec = run(p, model, cache)
+    assert rec.of(EventKind.LOADED) == []
+
+    assert result.outputs["bind"] == expected
+    assert rec.of(EventKind.LOADED) == ["bind"]
+    assert result.outputs["bind"] == expected
+    assert rec.of(EventKind.LOADED) == ["bind"]
+
+
+# --------------------------------------------------------------------------- declared reads
+
+
+def _reads_secret(inputs, samples, ctx):
+    return ctx["secret"]
+
+
+def _gets_secret(inputs, samples, ctx):
+    return ctx.get("secret", "default")
+
+
+def _swallows_secret(inputs, samples, ctx):
+    try:
+        return ctx["secret"]
+    except KeyError:
+        return "default"
+
+
+@pytest.mark.parametrize("fn", [_reads_secret, _gets_secret, _swallows_secret])
+def test_an_undeclared_context_read_fails_naming_the_stage_and_the_key(cache, fn):
+    p = Pipeline(name="undeclared")
+    p.register_stage(fn, "sneaky", reads=("ctx.opset",))
+
+    with pytest.raises(StageError) as err:
+        p.run(None, context={"opset": 18, "secret": 42}, cache=cache)
+
+    assert isinstance(err.value.cause, UndeclaredReadError)
+    assert err.value.stage == "sneaky"
+    assert "stage 'sneaky' read 'ctx.secret'" in str(err.value)
+    assert "declares only: ctx.opset" in str(err.value)
+    assert err.value.report["sneaky"].status == "failed"
+    assert cache.stats().entries == 0
+
+
+def test_a_declared_context_key_is_readable(cache):
+    p = Pipeline(name="declared")
+    p.register_stage(_reads_secret, "open", reads=("ctx.secret",))
+
+    assert p.run(None, context={"secret": 42}, cache=cache).outputs["open"] == 42
+
+
+def test_a_root_stage_that_declares_nothing_reruns_when_weights_change(cache):
+    model = tiny_net()
+    p = Pipeline(name="conservative")
+    p.register_stage(stage("root", lambda m, s, c: 1), "root")
+    run(p, model, cache)
+    assert run(p, model, cache)[0].report.ran == []
+    with torch.no_grad():
+        model.fc.bias[0] += 1.0
+
+    result, _ = run(p, model, cache)
+
+    assert result.report.ran == ["root"]
+    assert result.report["root"].reason.startswith("input.state:")
+
+
+def test_a_non_root_stage_that_declares_nothing_reruns_on_any_context_change(cache):
+    p = Pipeline(name="conservative")
+    root = p.register_stage(stage("root", lambda m, s, c: 1), "root", reads=())
+    p.register_stage(stage("child", lambda i, s, c: i[0] + 1), "child").depends_on(root)
+    run(p, None, cache, context={"a": 1})
+
+    changed, _ = run(p, None, cache, context={"a": 2})
+    added, _ = run(p, None, cache, context={"a": 2, "b": 0})
+
+    assert changed.report.ran == ["child"]
+    assert changed.report["child"].reason == "ctx.a: 1 -> 2"
+    assert added.report.ran == ["child"]
+    assert added.report["child"].reason == "ctx.b: None -> 0"
+
+
+# --------------------------------------------------------------------------- explain records
+
+
+def test_last_run_record_holds_the_reads_of_each_stage(cache):
+    model, p = tiny_net(), export_pipeline()
+    run(p, model, cache)
+
+    capture = cache.last_run("export", "capture")
+    to_onnx = cache.last_run("export", "to_onnx")
+    weights = cache.last_run("export", "weights")
+
+    assert set(capture["reads"]) == {"input.structure", "samples.spec"}
+    assert capture["reads"]["samples.spec"]["value"] == ["float32[1, 3, 8, 8]"]
+    assert set(capture["reads"]["input.structure"]["details"]) == {"", "conv", "norm", "fc"}
+    assert to_onnx["reads"]["ctx.opset"]["value"] == 18
+    assert to_onnx["status"] == "ran"
+    assert set(weights["reads"]["input.state"]["details"]) == {
+        "conv.weight",
+        "conv.bias",
+        "norm.weight",
+        "norm.bias",
+        "fc.weight",
+        "fc.bias",
+    }
+
+
+def test_weight_change_reason_names_the_tensors_that_changed(cache):
+    model, p = tiny_net(), export_pipeline()
+    run(p, model, cache)
+    with torch.no_grad():
+        model.fc.weight[1, 1] = 7.0
+        model.norm.bias.fill_(0.5)
+
+    result, _ = run(p, model, cache)
+
+    reason = result.report["weights"].reason
+    assert reason.startswith("input.state:")
+    assert "2 tensors changed: fc.weight, norm.bias" in reason
+    assert "conv.weight" not in reason
