@@ -8,10 +8,7 @@ was.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -20,17 +17,13 @@ from typing import Any
 
 import torch
 
-from .artifacts import FileArtifact
 from .cache import Cache
 from .errors import ConfigError, ExportError
-from .hashing import Hasher
 from .pipeline import Pipeline
-from .scheduler import RunReport, StageEvent, plan_status, toolchain_versions
-from .stages.bind import BoundModel, save_model
+from .scheduler import RunReport, StageEvent, plan_status
+from .stages.outputs import LOCK_FILE, Placement, place_outputs
 from .targets.qnn import QnnOnnxOptions
 from .targets.registry import PipelineFactory, PipelineRegistry, build_default_registry
-
-LOCK_FILE = "graphbuild.lock.json"
 
 __all__ = ["ExportRequest", "ExportArtifacts", "export", "export_with_pipeline", "LOCK_FILE"]
 
@@ -53,6 +46,7 @@ class ExportRequest:
     verbose: bool | None = None
     force: Iterable[str] | bool = ()
     listeners: Iterable[Callable[[StageEvent], None]] = ()
+    check_fingerprints: bool = False
 
     def __post_init__(self) -> None:
         name = str(self.model_name)
@@ -135,9 +129,21 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
         force=request.force,
         listeners=listeners,
         run_id=request.run_id(),
+        check=request.check_fingerprints,
     )
     out_dir = Path(request.output_directory)
-    files, lock = place_outputs(pipeline, result, request, out_dir)
+    placement = Placement(
+        out_dir,
+        request.model_name,
+        request.context().get("external_data"),
+        {
+            "target": request.target,
+            "format": request.format,
+            "model_name": request.model_name,
+            "pipeline": pipeline.name,
+        },
+    )
+    files, lock = place_outputs(pipeline, result, placement, cache)
     result.report.seconds = time.perf_counter() - t0
     if "check_numerics" in result.outputs:
         result.report.extra["numerics"] = result.outputs["check_numerics"]
@@ -159,8 +165,13 @@ def export(
     verbose: bool | None = None,
     force: Iterable[str] | bool = (),
     listeners: Iterable[Callable[[StageEvent], None]] = (),
+    check_fingerprints: bool = False,
 ) -> ExportArtifacts:
-    """Export ``model`` (traced on ``data``) to ``output_directory/model_name.*``."""
+    """Export ``model`` (traced on ``data``) to ``output_directory/model_name.*``.
+
+    ``cache``: a Cache, a path, None for the default location, False for none.
+    ``check_fingerprints`` recomputes every stage that hits and fails loudly when its output
+    differs from the cached one (graphbuild's own test of its cache keys)."""
     return export_with_pipeline(
         ExportRequest(
             model,
@@ -176,6 +187,7 @@ def export(
             verbose,
             force,
             listeners,
+            check_fingerprints,
         )
     )
 
@@ -196,96 +208,3 @@ def status(request: ExportRequest) -> RunReport:
 def _print_event(event: StageEvent) -> None:
     if event.kind.value in ("hit", "ran", "cutoff", "failed"):
         print(f"[graphbuild] {event.stage:<16} {event.kind.value:<7} {event.seconds:7.2f}s")
-
-
-# --------------------------------------------------------------------------- placement
-
-
-def _placeable(value: Any) -> bool:
-    if isinstance(value, (BoundModel, FileArtifact)):
-        return True
-    return isinstance(value, Mapping) and bool(value) and all(map(_placeable, value.values()))
-
-
-def place_outputs(
-    pipeline: Pipeline, result: Any, request: ExportRequest, out_dir: Path
-) -> tuple[dict[str, Path], dict[str, Any]]:
-    """Write every placeable sink output (bound ONNX models, files) and the lock file into a
-    temporary directory beside ``out_dir``, then move them into place."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
-        written: dict[str, Path] = {}
-        external = request.context().get("external_data")
-        for sink in pipeline.products:
-            value = result.outputs.get(sink)
-            if value is None or not _placeable(value):
-                continue
-            items = value.items() if isinstance(value, Mapping) else [(sink, value)]
-            for kind, item in items:
-                for path in _write(item, tmp, request.model_name, external):
-                    written[_kind(path.name, request.model_name, kind)] = path
-        lock = _lock(pipeline, result.report, request, written)
-        (tmp / LOCK_FILE).write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        final: dict[str, Path] = {}
-        stale = {f"{request.model_name}.onnx.data"} - {p.name for p in written.values()}
-        for kind, path in written.items():
-            final[kind] = out_dir / path.name
-            os.replace(path, final[kind])
-        for name in stale:
-            (out_dir / name).unlink(missing_ok=True)
-        os.replace(tmp / LOCK_FILE, out_dir / LOCK_FILE)
-        final["lock"] = out_dir / LOCK_FILE
-        return final, lock
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _write(item: Any, tmp: Path, model_name: str, external: bool | None) -> list[Path]:
-    if isinstance(item, BoundModel):
-        return list(save_model(item, tmp / f"{model_name}.onnx", external_data=external))
-    path = tmp / item.name
-    path.write_bytes(item.data)
-    return [path]
-
-
-def _kind(filename: str, model_name: str, fallback: str) -> str:
-    if filename.startswith(model_name + "."):
-        return filename[len(model_name) + 1 :]
-    return fallback
-
-
-def _file_digest(path: Path) -> str:
-    h = Hasher()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _lock(
-    pipeline: Pipeline, report: RunReport, request: ExportRequest, files: Mapping[str, Path]
-) -> dict[str, Any]:
-    """graphbuild.lock.json: every output's digest, every stage's key and reads, versions.
-    Deterministic for a given build, so a warm rebuild rewrites the same bytes."""
-    return {
-        "target": request.target,
-        "format": request.format,
-        "model_name": request.model_name,
-        "pipeline": pipeline.name,
-        "toolchain": toolchain_versions(),
-        "files": {
-            p.name: {"xxh3_128": _file_digest(p), "bytes": p.stat().st_size}
-            for p in sorted(files.values())
-        },
-        "stages": {
-            s.name: {
-                "key": s.key,
-                "output": s.digest,
-                "reads": list(pipeline._stage(s.name).reads or ["<everything>"]),
-                "depends_on": pipeline.dependencies(s.name),
-            }
-            for s in report.stages
-        },
-    }

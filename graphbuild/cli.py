@@ -494,6 +494,13 @@ def export(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Show what would run (like status).")
     ] = False,
+    check_fingerprints: Annotated[
+        bool,
+        typer.Option(
+            "--check-fingerprints",
+            help="Recompute stages that hit and fail if any output differs from the cache.",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Only errors and the files written.")
@@ -520,6 +527,7 @@ def export(
     progress = Progress(console, quiet=quiet or as_json)
     request, pipeline = _request(cfg, cache, listeners=[] if as_json else [progress])
     request.force = _forced(force, pipeline)
+    request.check_fingerprints = check_fingerprints
     quiet_stdout = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     t0 = time.perf_counter()
     try:

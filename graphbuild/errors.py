@@ -34,6 +34,10 @@ class FingerprintError(GraphbuildError, TypeError):
     """A value graphbuild does not know how to fingerprint."""
 
 
+class FingerprintMismatchError(GraphbuildError):
+    """Check mode: a stage that hit the cache produced a different output when recomputed."""
+
+
 class CodecError(GraphbuildError, TypeError):
     """A stage output whose type has no registered artifact codec."""
 

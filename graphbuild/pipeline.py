@@ -289,8 +289,10 @@ class Pipeline:
         force: Iterable[str] | bool = (),
         listeners: Iterable[Callable[[Any], None]] = (),
         run_id: str | None = None,
+        check: Iterable[str] | bool = (),
     ) -> RunResult:
-        """Build: run the dirty stages, take the rest from ``cache`` (None: no cache)."""
+        """Build: run the dirty stages, take the rest from ``cache`` (None: no cache).
+        ``check`` names stages to recompute on a hit and compare (the fingerprints' test)."""
         from .scheduler import run_pipeline
 
         return run_pipeline(
@@ -302,6 +304,7 @@ class Pipeline:
             force=force,
             listeners=listeners,
             run_id=run_id or self.name,
+            check=check,
         )
 
     def __call__(self, module: Any, sample_inputs: Any = ()) -> tuple[dict, dict]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .artifacts import encode
 from .cache import Cache, CorruptEntry, stage_key
-from .errors import GraphbuildError, StageError, UndeclaredReadError
+from .errors import FingerprintMismatchError, GraphbuildError, StageError, UndeclaredReadError
 from .fingerprint import FACETS, InputFacets, Reading, callable_version, read_value
 from .hashing import digest_bytes
 
@@ -276,6 +276,7 @@ class _Run:
         force: Iterable[str] | bool,
         listeners: Iterable[Callable[[StageEvent], None]],
         run_id: str,
+        check: Iterable[str] | bool = (),
     ):
         self.pipeline = pipeline
         self.input = pipeline_input
@@ -290,6 +291,7 @@ class _Run:
         unknown = self.force - set(self.order)
         if unknown:
             raise KeyError(f"cannot force unknown stage(s): {', '.join(sorted(unknown))}")
+        self.check = set(self.order) if check is True else set(check or ()) & set(self.order)
         self.facets = InputFacets(pipeline_input, samples)
         self.toolchain = toolchain_versions()
         self.states: dict[str, _State] = {}
@@ -346,6 +348,8 @@ class _Run:
                 manifest = self.cache.lookup(key)
                 if manifest is not None:
                     self._hit(name, manifest)
+                    if name in self.check:
+                        self._check_hit(name)
                     continue
             self._execute(name)
         if self.cache is not None:
@@ -358,6 +362,40 @@ class _Run:
 
     def _forced(self, name: str) -> bool:
         return self.force_all or name in self.force
+
+    def _check_hit(self, name: str) -> None:
+        """Check mode: recompute a hit and fail loudly if its output differs from the cached
+        one, which means the stage reads something its key does not cover."""
+        st = self.states[name]
+        rec = st.record
+        stage = self.pipeline._stage(name)
+        t0 = time.perf_counter()
+        try:
+            inputs = self._inputs(name)
+            value = stage.fn(inputs, self.samples, self._context(name, stage, st.reads))
+            digest = encode(value).digest
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as err:
+            digest, value = None, err
+        if digest == rec.digest:
+            rec.reason = "checked: recomputed output matches the cache"
+            return
+        err = FingerprintMismatchError(
+            f"stage '{name}' hit the cache (key {rec.key}) but recomputing it gave "
+            + (
+                f"a different output ({(rec.digest or '')[:12]} cached, {digest[:12]} now)"
+                if digest
+                else f"an error: {value}"
+            )
+            + "; its declared reads "
+            + f"({', '.join(stage.reads) if stage.reads is not None else 'everything'}) "
+            + "miss something it depends on"
+        )
+        rec.status, rec.error = "failed", str(err)
+        rec.seconds = time.perf_counter() - t0
+        self.failure = StageError(name, err, tuple(self.ran_order))
+        self.emit(StageEvent(EventKind.FAILED, name, rec.key, rec.seconds, rec.reason, err))
 
     def _hit(self, name: str, manifest: dict[str, Any]) -> None:
         st = self.states[name]
@@ -599,9 +637,12 @@ def run_pipeline(
     force: Iterable[str] | bool = (),
     listeners: Iterable[Callable[[StageEvent], None]] = (),
     run_id: str = "pipeline",
+    check: Iterable[str] | bool = (),
 ) -> RunResult:
-    """Run ``pipeline``; raises :class:`StageError` (with ``.report``) when a stage fails."""
-    run = _Run(pipeline, pipeline_input, samples, context, cache, force, listeners, run_id)
+    """Run ``pipeline``; raises :class:`StageError` (with ``.report``) when a stage fails.
+    Stages named in ``check`` (or all, with True) are recomputed even on a hit and must
+    reproduce the cached output."""
+    run = _Run(pipeline, pipeline_input, samples, context, cache, force, listeners, run_id, check)
     report = run.run()
     if run.failure is not None:
         run.failure.report = report  # type: ignore[attr-defined]

@@ -48,7 +48,34 @@ def test_nothing_changed_reruns_nothing_and_loads_no_intermediate(warm):
     report = build(model, out, cache, events=events)
     assert set(report.statuses.values()) == {"hit"}
     loaded = {e.stage for e in events if e.kind is EventKind.LOADED}
-    assert loaded <= {"bind", "encodings"}  # only the final artifacts, to place them
+    assert loaded == set()  # the placed files are intact: nothing to read, nothing to write
+
+
+def test_edited_output_file_is_restored_from_the_cache(warm):
+    model, out, cache = warm
+    onnx_path = out / "model.onnx"
+    original = onnx_path.read_bytes()
+    onnx_path.write_bytes(b"edited by hand")
+    events = []
+    report = build(model, out, cache, events=events)
+    assert set(report.statuses.values()) == {"hit"}
+    assert onnx_path.read_bytes() == original
+    assert "bind" in {e.stage for e in events if e.kind is EventKind.LOADED}
+
+
+def test_output_directory_moved_elsewhere_is_placed_again(warm, tmp_path):
+    model, out, cache = warm
+    report = build(model, tmp_path / "elsewhere", cache)
+    assert set(report.statuses.values()) == {"hit"}
+    for name in ("model.onnx", "model.encodings", "graphbuild.lock.json"):
+        assert (tmp_path / "elsewhere" / name).read_bytes() == (out / name).read_bytes()
+
+
+def test_check_fingerprints_recomputes_hits_and_accepts_matching_outputs(warm):
+    model, out, cache = warm
+    report = gb.export(model, SAMPLE, out, "model", cache=cache, check_fingerprints=True).report
+    assert set(report.statuses.values()) == {"hit"}
+    assert all("checked" in (s.reason or "") for s in report.stages)
 
 
 def test_scales_only_rerun_values_stages_not_tracing(warm):

@@ -374,3 +374,29 @@ def test_weight_change_reason_names_the_tensors_that_changed(cache):
     assert reason.startswith("input.state:")
     assert "2 tensors changed: fc.weight, norm.bias" in reason
     assert "conv.weight" not in reason
+
+
+_HIDDEN = {"factor": 2}
+
+
+def _reads_a_global(inputs, samples, context):
+    return inputs.weight.detach().sum().item() * _HIDDEN["factor"]  # undeclared: a global
+
+
+def test_check_mode_fails_loudly_when_a_hit_reads_something_undeclared(tmp_path):
+    from graphbuild.errors import FingerprintMismatchError
+
+    p = Pipeline()
+    p.register_stage(_reads_a_global, "scaled", reads=("input.state",))
+    model = torch.nn.Linear(2, 2)
+    cache = Cache(tmp_path / "cache")
+    p.run(model, (), cache=cache)
+    _HIDDEN["factor"] = 3
+    try:
+        assert p.run(model, (), cache=cache).report.statuses == {"scaled": "hit"}  # stale
+        with pytest.raises(StageError) as err:
+            p.run(model, (), cache=cache, check=True)
+        assert isinstance(err.value.cause, FingerprintMismatchError)
+        assert "scaled" in str(err.value)
+    finally:
+        _HIDDEN["factor"] = 2

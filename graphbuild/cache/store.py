@@ -24,6 +24,7 @@ from .index import ActionIndex, PickleRefused
 
 _MANIFEST = "m:"
 _LAST = "last:"
+_PLACED = "placed:"
 _TOUCH_EVERY = 60.0
 
 
@@ -239,6 +240,23 @@ class Cache:
             return
         try:
             self._index.set_json(f"{_LAST}{pipeline}:{stage}", record)
+        except (OSError, sqlite3.Error) as err:
+            self._write_failed(err)
+
+    def placement(self, key: str) -> dict[str, Any] | None:
+        """The stamp of what an export last placed in an output directory."""
+        if self._index is None:
+            return None
+        try:
+            return self._index.get_json(f"{_PLACED}{key}")
+        except (PickleRefused, ValueError, OSError, sqlite3.Error):
+            return None
+
+    def record_placement(self, key: str, stamp: dict[str, Any]) -> None:
+        if not self._writable or self._index is None:
+            return
+        try:
+            self._index.set_json(f"{_PLACED}{key}", stamp)
         except (OSError, sqlite3.Error) as err:
             self._write_failed(err)
 
