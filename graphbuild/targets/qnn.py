@@ -195,15 +195,23 @@ def encodings(inputs: tuple, samples: Any, context: Any) -> FileArtifact:
     return FileArtifact(f"{context['model_name']}.encodings", text.encode())
 
 
-def check_numerics(inputs: tuple, samples: Any, context: Any) -> dict:
-    """Run the exported model in onnxruntime on the sample inputs and compare with the
-    quantized torch model; for ``onnx`` the Q/DQ come back from the ``.encodings`` alone."""
+def check_numerics_float(inputs: tuple, samples: Any, context: Any) -> dict:
+    """``onnx``: put Q/DQ back from the ``.encodings`` file alone, run it in onnxruntime on
+    the sample inputs, and compare with the quantized torch model."""
     from ..stages.numerics import compare_outputs
 
     bound, enc_file, reference = inputs
     doc = json.loads(enc_file.data)
-    reinsert = context["format"] == "onnx"
-    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=reinsert)
+    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=True)
+
+
+def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
+    """``onnx_qdq``: run the Q/DQ model as written and compare with the torch model."""
+    from ..stages.numerics import compare_outputs
+
+    bound, enc_file, reference = inputs
+    doc = json.loads(enc_file.data)
+    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=False)
 
 
 def reference_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
@@ -236,13 +244,17 @@ def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- wiring
 
 
-def build_qnn_pipeline(request: ExportRequest) -> Pipeline:
-    """The reference plan of DESIGN.md for ``qnn/onnx`` and ``qnn/onnx_qdq``."""
-    fmt = request.format
+def build_qnn_pipeline(request: ExportRequest, fmt: str | None = None) -> Pipeline:
+    """The reference plan of DESIGN.md for ``qnn/onnx`` and ``qnn/onnx_qdq``. ``fmt`` picks
+    the ONNX flavour when a custom format builds on this pipeline (default: the request's)."""
+    fmt = fmt or request.format
     if fmt not in FORMATS:
-        raise ConfigError(f"unknown format '{fmt}' for target qnn; known: {', '.join(FORMATS)}")
+        raise ConfigError(
+            f"unknown format '{fmt}' for target qnn; known: {', '.join(FORMATS)} "
+            "(a custom format passes fmt= to build_qnn_pipeline)"
+        )
     opts = request.qnn_options()
-    p = Pipeline(name=f"qnn/{fmt}")
+    p = Pipeline(name=f"{request.target}/{request.format}")
     cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
     source = cap
     if opts.quantizer is not None:
@@ -288,9 +300,8 @@ def build_qnn_pipeline(request: ExportRequest) -> Pipeline:
             ref.depends_on(source)
         else:
             ref = p.register_stage(reference_from_model, "reference", reads=("input", "samples"))
-        p.register_stage(
-            check_numerics, "check_numerics", reads=("ctx.format", "samples")
-        ).depends_on(bound, enc, ref)
+        check = check_numerics_float if fmt == "onnx" else check_numerics_qdq
+        p.register_stage(check, "check_numerics", reads=("samples",)).depends_on(bound, enc, ref)
     return p
 
 
