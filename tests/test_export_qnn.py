@@ -250,3 +250,15 @@ def test_encodings_read_back_match_the_quantizers(tmp_path, cache):
     w = table["conv1.weight"]
     assert torch.allclose(torch.from_numpy(w.scale), model.conv1_w_scale)
     assert w.granularity == "PER_CHANNEL"
+
+
+def test_transformers_llama_exports_with_numerics(tmp_path, cache):
+    pytest.importorskip("transformers")
+    from examples import tiny_llama
+
+    model, samples = tiny_llama.build()
+    art = export(
+        model, samples, tmp_path, cache, quantizer="w8a8", calibration=tiny_llama.calibration()
+    )
+    assert no_marker_left(onnx.load(tmp_path / "model.onnx"))
+    assert_numerics(art)

@@ -84,8 +84,8 @@ def activation_spec(bits: int) -> QuantizationSpec:
 # Graph helpers
 
 
-def _attr(model: GraphModule, target: str) -> object:
-    """The object a get_attr target names, or None when it does not resolve."""
+def resolve_attr(model: torch.nn.Module, target: str) -> object:
+    """The object a dotted attribute path (a get_attr target) names, or None."""
     obj: object = model
     for part in target.split("."):
         obj = getattr(obj, part, None)
@@ -99,7 +99,7 @@ def _value(model: GraphModule, arg: object) -> object:
     if not isinstance(arg, Node):
         return None
     if arg.op == "get_attr" and isinstance(arg.target, str):
-        return _attr(model, arg.target)
+        return resolve_attr(model, arg.target)
     return arg.meta.get("val")
 
 

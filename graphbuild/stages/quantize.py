@@ -17,7 +17,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from torchao.quantization.pt2e.quantizer import Quantizer
 
 from graphbuild.errors import ConfigError, ExportError
-from graphbuild.quant.preset import PRESETS, QnnQuantizer
+from graphbuild.quant.preset import PRESETS, QnnQuantizer, resolve_attr
 
 __all__ = ["load_state", "quantize_program", "resolve_quantizer"]
 
@@ -91,7 +91,7 @@ def _tensor_slots(module: GraphModule, names: list[str]) -> dict[str, torch.Tens
     """The tensors ``module`` holds under ``names`` (names it does not hold are left out)."""
     slots: dict[str, torch.Tensor] = {}
     for name in names:
-        value = _get_attr(module, name)
+        value = resolve_attr(module, name)
         if isinstance(value, torch.Tensor):
             slots[name] = value
     return slots
@@ -103,15 +103,6 @@ def _alias_groups(targets: Mapping[str, torch.Tensor]) -> dict[int, list[str]]:
     for name, tensor in targets.items():
         groups.setdefault(id(tensor), []).append(name)
     return groups
-
-
-def _get_attr(module: torch.nn.Module, name: str) -> object:
-    obj: object = module
-    for part in name.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
