@@ -27,7 +27,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-import click
 import typer
 from rich.console import Console
 from rich.text import Text
@@ -204,6 +203,25 @@ def _report_error(err: BaseException, as_json: bool) -> int:
     return code
 
 
+def _cli_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions the command-line framework handles itself (usage errors, exits). typer
+    0.29 vendors click; older releases use the click package."""
+    errors: list[type[BaseException]] = [typer.Exit, typer.Abort]
+    vendored = getattr(getattr(typer, "exceptions", None), "TyperException", None)
+    if vendored is not None:
+        errors.append(vendored)
+    try:
+        import click
+    except ImportError:
+        pass
+    else:
+        errors += [click.exceptions.ClickException, click.exceptions.Abort]
+    return tuple(errors)
+
+
+_CLI_ERRORS = _cli_errors()
+
+
 def _handles_errors(fn: Callable[..., None]) -> Callable[..., None]:
     """Run a command, turning expected errors into a message (or JSON) and an exit code."""
 
@@ -212,7 +230,7 @@ def _handles_errors(fn: Callable[..., None]) -> Callable[..., None]:
         as_json = bool(kwargs.get("as_json"))
         try:
             fn(*args, **kwargs)
-        except (typer.Exit, click.exceptions.ClickException, click.exceptions.Abort):
+        except _CLI_ERRORS:
             raise
         except Exception as err:
             raise typer.Exit(_report_error(err, as_json)) from None
@@ -446,7 +464,7 @@ def _escape(text: str) -> str:
 class _ExportCommand(TyperCommand):
     """``--force`` takes an optional value: a bare ``--force`` forces every stage."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         out = []
         for i, arg in enumerate(args):
             nxt = args[i + 1] if i + 1 < len(args) else None
