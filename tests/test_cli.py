@@ -588,3 +588,10 @@ def test_python_m_graphbuild_factory_error_is_exit_2_without_traceback(tmp_path)
     assert proc.returncode == 2
     assert "raised RuntimeError: weights not found at /nowhere/w.pt" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_cli_needs_no_click_package():
+    """typer 0.29 vendors click: a plain `pip install graphbuild` has no click package."""
+    code = "import sys; sys.modules['click'] = None; import graphbuild.cli; print('ok')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
