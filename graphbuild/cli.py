@@ -17,6 +17,7 @@ import contextlib
 import enum
 import functools
 import json
+import math
 import os
 import re
 import sys
@@ -143,7 +144,10 @@ def parse_size(text: str) -> int:
     if not match:
         raise ConfigError(f"{text!r} is not a size; use e.g. 500M, 2G or 1024 (bytes)")
     number, unit = float(match.group(1)), match.group(2).lower()
-    return int(number * 1024 ** " kmgt".index(unit or " "))
+    size = number * 1024 ** " kmgt".index(unit or " ")
+    if not math.isfinite(size) or size > 2**62:
+        raise ConfigError(f"{text!r} is too large a size")
+    return int(size)
 
 
 def parse_age(text: str) -> float:

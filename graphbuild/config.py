@@ -148,6 +148,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
     except OSError as err:
         raise ConfigError(f"cannot read {path}: {err.strerror or err}") from err
 
@@ -155,6 +157,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def _pyproject_table(path: Path, required: bool) -> dict[str, Any] | None:
     try:
         text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
     except OSError as err:
         raise ConfigError(f"cannot read {path}: {err.strerror or err}") from err
     if "graphbuild" not in text and not required:
@@ -434,7 +438,13 @@ def _build(table: dict[str, Any], root: Path, source: Path | None) -> Config:
 
 
 def _path(root: Path, value: str | os.PathLike) -> Path:
+    _check_path_text(value)
     return (root / Path(value).expanduser()).resolve()
+
+
+def _check_path_text(value: str | os.PathLike) -> None:
+    if "\0" in os.fspath(value):
+        raise ConfigError(f"the path {os.fspath(value)!r} contains a NUL character")
 
 
 # --------------------------------------------------------------------------- specs
@@ -517,6 +527,7 @@ def _import_module(target: str, spec: str) -> Any:
 def _resolve(spec: str, root: Path, key: str) -> Any:
     """The object a ``file.py:attr`` or ``module:attr`` spec names."""
     target, attr = _split(spec, key)
+    _check_path_text(target)
     _on_path(root, front=True)
     if _is_file(target):
         module = _load_file((root / Path(target).expanduser()).resolve(), spec)

@@ -124,6 +124,8 @@ class ProgramCodec(Codec):
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
         from torch._export.serde.serialize import SerializedArtifact, deserialize
 
+        _register_quantization_ops()
+
         constants = children[0] if isinstance(children[0], dict) and children[0] else {}
         if meta["has_state"]:
             real = children[1]
@@ -140,6 +142,15 @@ class ProgramCodec(Codec):
             }
         program = deserialize(SerializedArtifact(bytes(parts[0]), state, constants, b""))
         return ProgramArtifact(program, meta["has_state"])
+
+
+def _register_quantization_ops() -> None:
+    """A program from PT2E holds ``quantized_decomposed`` ops; torch registers them only
+    when their module is imported, which a fresh process loading the cache has not done."""
+    try:
+        import torch.ao.quantization.fx._decomposed  # noqa: F401
+    except ImportError:  # pragma: no cover - moved in some torch release
+        import torchao.quantization.pt2e.utils  # noqa: F401
 
 
 def _tensor_constants(constants: Mapping[str, Any]) -> dict[str, torch.Tensor]:

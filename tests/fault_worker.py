@@ -4,7 +4,8 @@ into a directory: a kill at an exact point of placing the outputs.
     python tests/fault_worker.py DIRECTORY N graphbuild-arguments...
 
 ``os.replace`` is the move every atomic write ends with; the wrapper lets the move complete,
-counts the ones whose destination is in DIRECTORY, and kills the process after the N-th.
+counts the ones whose destination is in DIRECTORY (or is DIRECTORY itself, for placement by
+directory swap), and kills the process after the N-th.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def main() -> None:
     def replace_then_maybe_die(src, dst, *a, **kw):
         nonlocal moves
         real_replace(src, dst, *a, **kw)
-        if Path(os.fsdecode(dst)).resolve().parent == directory:
+        path = Path(os.fsdecode(dst)).resolve()
+        if directory in (path, path.parent):
             moves += 1
             if moves == after:
                 os.kill(os.getpid(), signal.SIGKILL)

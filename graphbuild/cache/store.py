@@ -20,7 +20,7 @@ from typing import Any
 from ..artifacts import Encoded, blob_digests, decode
 from ..errors import CacheError
 from .blobs import BlobStore, CorruptBlob
-from .index import ActionIndex, PickleRefused
+from .index import ActionIndex
 
 _MANIFEST = "m:"
 _LAST = "last:"
@@ -140,12 +140,16 @@ class Cache:
         if self._index is None:
             return None
         try:
-            return self._index.get_json(_MANIFEST + key)
-        except (PickleRefused, ValueError, UnicodeDecodeError):
+            manifest = self._index.get_json(_MANIFEST + key)
+        except (OSError, sqlite3.OperationalError):
+            return None  # the index is unreachable (locked, missing): a miss, not corruption
+        except Exception:  # a damaged row: pickled, not JSON, dangling value file...
             self._discard(key)
             return None
-        except (OSError, sqlite3.Error):
+        if manifest is not None and manifest.get("key") != key:
+            self._discard(key)  # a row holding another entry's manifest
             return None
+        return manifest
 
     def _discard(self, key: str) -> None:
         """Forget a corrupt entry: count it and drop the manifest."""
@@ -196,9 +200,16 @@ class Cache:
         try:
             return decode(manifest["artifact"], self.blobs.read)
         except CorruptBlob as err:
-            self.blobs.delete(err.digest)
+            for digest, _ in blob_digests(manifest["artifact"]):
+                if digest == err.digest or not self.blobs.verify(digest):
+                    self.blobs.delete(digest)  # every bad part, so a rebuild rewrites them
             self._discard(manifest["key"])
             raise CorruptEntry(f"{manifest.get('stage', '?')}: {err}") from err
+        except Exception as err:  # bytes intact but undecodable (an old or foreign format)
+            self._discard(manifest["key"])
+            raise CorruptEntry(
+                f"{manifest.get('stage', '?')}: cannot decode ({type(err).__name__}: {err})"
+            ) from err
 
     def store(self, key: str, encoded: Encoded, record: dict[str, Any]) -> bool:
         """Write blobs then the manifest; False (with one warning) when the cache is not
@@ -232,7 +243,7 @@ class Cache:
             return None
         try:
             return self._index.get_json(f"{_LAST}{pipeline}:{stage}")
-        except (PickleRefused, ValueError, OSError, sqlite3.Error):
+        except Exception:  # a damaged record only costs the explanation
             return None
 
     def record_run(self, pipeline: str, stage: str, record: dict[str, Any]) -> None:
@@ -249,7 +260,7 @@ class Cache:
             return None
         try:
             return self._index.get_json(f"{_PLACED}{key}")
-        except (PickleRefused, ValueError, OSError, sqlite3.Error):
+        except Exception:  # a damaged stamp only costs a re-placement
             return None
 
     def record_placement(self, key: str, stamp: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -89,7 +90,12 @@ def _place(
 ) -> tuple[dict[str, Path], dict[str, dict[str, Any]], dict[str, Any]]:
     out_dir = placement.out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    _remove_abandoned_temps(out_dir)
+    tmp = Path(
+        tempfile.mkdtemp(
+            prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".tmp", dir=out_dir.parent
+        )
+    )
     try:
         written: dict[str, Path] = {}
         for sink in products:
@@ -105,18 +111,123 @@ def _place(
         }
         lock = _lock(pipeline, result.report, placement, digests, written)
         (tmp / LOCK_FILE).write_text(_lock_text(lock))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        final: dict[str, Path] = {}
         stale = {f"{placement.model_name}.onnx.data"} - {p.name for p in written.values()}
-        for kind, path in written.items():
-            final[kind] = out_dir / path.name
-            os.replace(path, final[kind])
-        for name in stale:
-            (out_dir / name).unlink(missing_ok=True)
-        os.replace(tmp / LOCK_FILE, out_dir / LOCK_FILE)
-        return final, digests, lock
+        _commit(tmp, out_dir, {p.name for p in written.values()} | {LOCK_FILE}, stale)
+        return {kind: out_dir / p.name for kind, p in written.items()}, digests, lock
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- commit
+
+
+def _commit(tmp: Path, out_dir: Path, ours: set[str], stale: set[str]) -> None:
+    """Make ``tmp``'s files the contents of ``out_dir`` in one step where the platform
+    allows: a new directory is renamed into place; an existing one (holding files only) is
+    atomically exchanged with ``tmp`` after the files we do not own are hard-linked across.
+    Otherwise files are moved one by one and moved back if a move fails."""
+    if not out_dir.exists():
+        _fsync_dir(tmp)
+        tmp.chmod(0o777 & ~_umask())
+        os.replace(tmp, out_dir)
+        return
+    entries = list(os.scandir(out_dir))
+    if _exchange is not None and all(not e.is_dir(follow_symlinks=False) for e in entries):
+        for e in entries:
+            if e.name not in ours and e.name not in stale:
+                os.link(e.path, tmp / e.name, follow_symlinks=False)
+        shutil.copymode(out_dir, tmp)
+        _fsync_dir(tmp)
+        _exchange(tmp, out_dir)  # tmp now holds the previous contents
+        return
+    _move_files(tmp, out_dir, ours, stale)
+
+
+def _move_files(tmp: Path, out_dir: Path, ours: set[str], stale: set[str]) -> None:
+    """Per-file fallback: the lock last; on a failure the moved files are put back."""
+    backup = tmp / ".previous"
+    backup.mkdir()
+    moved: list[str] = []
+    names = sorted(ours - {LOCK_FILE}) + [LOCK_FILE]
+    try:
+        for name in names + sorted(stale):
+            if (out_dir / name).exists():
+                os.replace(out_dir / name, backup / name)
+            moved.append(name)
+            if name in ours:
+                os.replace(tmp / name, out_dir / name)
+    except BaseException:
+        for name in reversed(moved):
+            if (backup / name).exists():
+                os.replace(backup / name, out_dir / name)
+            elif name in ours:
+                (out_dir / name).unlink(missing_ok=True)
+        raise
+
+
+def _load_exchange():
+    """``renameat2(RENAME_EXCHANGE)`` (Linux 3.15+, glibc 2.28+), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    at_fdcwd, rename_exchange = -100, 2
+
+    def exchange(a: Path, b: Path) -> None:
+        if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(b))
+
+    return exchange
+
+
+_exchange = _load_exchange()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(path: Path) -> None:
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _remove_abandoned_temps(out_dir: Path) -> None:
+    """Temporary directories of exports that were killed (their process is gone)."""
+    for tmp in out_dir.parent.glob(f".{out_dir.name}.*.tmp"):
+        parts = tmp.name[len(out_dir.name) + 2 :].split(".")
+        if parts and parts[0].isdigit() and not _alive(int(parts[0])):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _placeable(value: Any) -> bool:
