@@ -1,0 +1,178 @@
+"""Benchmark: a whole-process warm ``graphbuild export`` against the floor of any process
+that exports the same model: Python start-up, ``import graphbuild`` and building the model.
+
+Setup: a temporary ``graphbuild.toml`` naming the tutorial ConvNet by absolute path
+(``examples/convnet.py:build`` and ``:calibration``, preset ``w8a16``), its output directory
+and ``GRAPHBUILD_CACHE_DIR`` in a temporary directory. One cold
+``python -m graphbuild export --config <toml> --json`` warms the cache; then, best of N each
+(interleaved, so drifting machine load hits both alike):
+
+* **warm**: ``python -m graphbuild export --config <toml> --json`` (every stage a hit);
+* **floor**: ``python -c 'import graphbuild; <build the model and calibration batches>'``.
+
+The ratio warm / floor (target <= 1.5) is what the cache's promise costs on top of loading
+the model at all. ``--profile`` runs one more warm export under pyinstrument and prints
+where the time outside the floor goes.
+
+    python bench/bench_cli.py [--repeat 5] [--json] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_FILE = ROOT / "examples" / "convnet.py"
+TARGET = 1.5
+
+FLOOR = f"""
+import importlib.util
+import graphbuild
+spec = importlib.util.spec_from_file_location("convnet", {str(MODEL_FILE)!r})
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+model, samples = mod.build()
+calibration = mod.calibration()
+"""
+
+CONFIG = """\
+model = "{model}:build"
+calibration = "{model}:calibration"
+model_name = "convnet"
+output_dir = "{out}"
+
+[quantization]
+preset = "w8a16"
+"""
+
+
+def _env(cache_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["GRAPHBUILD_CACHE_DIR"] = str(cache_dir)
+    env.pop("GRAPHBUILD_DEBUG", None)
+    return env
+
+
+def _timed(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise RuntimeError(f"{' '.join(cmd[:4])}... failed with exit code {proc.returncode}")
+    return seconds, proc.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each (best is kept)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more warm export under pyinstrument; print its profile",
+    )
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench_cli_") as tmp_name:
+        tmp = Path(tmp_name)
+        cache_dir, out_dir, work = tmp / "cache", tmp / "out", tmp / "work"
+        work.mkdir()
+        config = tmp / "graphbuild.toml"
+        config.write_text(CONFIG.format(model=MODEL_FILE, out=out_dir))
+        env = _env(cache_dir)
+        export_cmd = [
+            sys.executable,
+            "-m",
+            "graphbuild",
+            "export",
+            "--config",
+            str(config),
+            "--json",
+        ]
+        floor_cmd = [sys.executable, "-c", FLOOR]
+
+        cold_seconds, cold_out = _timed(export_cmd, env, work)
+        cold_doc = json.loads(cold_out)
+        warm_times: list[float] = []
+        floor_times: list[float] = []
+        warm_doc: dict[str, Any] = {}
+        for _ in range(args.repeat):
+            seconds, out = _timed(export_cmd, env, work)
+            warm_times.append(seconds)
+            warm_doc = json.loads(out)
+            floor_times.append(_timed(floor_cmd, env, work)[0])
+        statuses = {s["name"]: s["status"] for s in warm_doc["stages"]}
+        warm, floor = min(warm_times), min(floor_times)
+        result = {
+            "model": f"{MODEL_FILE}:build (preset w8a16, calibration)",
+            "repeat": args.repeat,
+            "cold_process_seconds": cold_seconds,
+            "cold_export_seconds": cold_doc["seconds"],
+            "warm_process_seconds": warm,
+            "warm_export_seconds_in_process": warm_doc["seconds"],
+            "floor_process_seconds": floor,
+            "ratio": warm / floor,
+            "target_ratio": TARGET,
+            "pass": warm / floor <= TARGET,
+            "warm_all": warm_times,
+            "floor_all": floor_times,
+            "warm_statuses": statuses,
+            "all_hits": set(statuses.values()) <= {"hit"},
+            "loadavg": os.getloadavg(),
+        }
+        profile_text = None
+        if args.profile:
+            prof_cmd = [
+                sys.executable,
+                "-m",
+                "pyinstrument",
+                "--show-all",
+                "-i",
+                "0.001",
+                "-m",
+                "graphbuild",
+                "export",
+                "--config",
+                str(config),
+                "--json",
+            ]
+            proc = subprocess.run(prof_cmd, env=env, cwd=work, capture_output=True, text=True)
+            profile_text = proc.stdout[proc.stdout.find("  _     ._") :] if proc.stdout else ""
+            profile_text = profile_text or proc.stderr[-20000:]
+            result["profile"] = profile_text
+
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"model: {result['model']}; best of {args.repeat}; load {result['loadavg'][0]:.2f}")
+    print(
+        f"cold  graphbuild export process  {cold_seconds:7.3f} s "
+        f"(export itself {result['cold_export_seconds']:.3f} s)"
+    )
+    print(
+        f"warm  graphbuild export process  {warm:7.3f} s "
+        f"(export itself {result['warm_export_seconds_in_process']:.3f} s; stages: "
+        f"{'all hit' if result['all_hits'] else statuses})"
+    )
+    print(f"floor import graphbuild + build  {floor:7.3f} s")
+    verdict = "PASS" if result["pass"] else "MISS"
+    print(
+        f"ratio warm / floor               {result['ratio']:7.3f}   {verdict} (target <= {TARGET})"
+    )
+    print("all warm runs:  " + ", ".join(f"{t:.3f}" for t in warm_times))
+    print("all floor runs: " + ", ".join(f"{t:.3f}" for t in floor_times))
+    if profile_text:
+        print(profile_text)
+
+
+if __name__ == "__main__":
+    main()

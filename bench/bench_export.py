@@ -1,0 +1,567 @@
+"""Benchmark: graphbuild ``export`` (cold, warm, after each kind of change) against a plain
+float export, per model, each model in its own process.
+
+For each model (``convnet``, ``tiny_decoder`` and the ~168M-parameter ``mid_decoder`` of
+:mod:`bench.models`), one child process:
+
+1. builds the float model and its fake-quantized twin (shared weights, scale buffers);
+2. warms up both paths once on a 1-layer module, so neither pays the one-time costs
+   (torch.export / torch.onnx.export first-call set-up of ~5 s, graphbuild's lazy imports)
+   inside a timed run: a plain ``torch.export`` + ``torch.onnx.export`` + ``onnx.save`` of
+   a Linear, and a graphbuild export of a fake-quantized Linear into a throwaway cache;
+3. times the **baseline**: ``torch.export.export`` + ``torch.onnx.export(program, dynamo=True,
+   optimize=False, opset_version=21)`` + ``onnx.save`` of the FLOAT model (external data
+   above 2 GiB, as protobuf requires);
+4. times graphbuild ``export`` of the fake-quantized model into a fresh cache: **cold**,
+   **warm** (no change), **scales** (activation scale buffers x 1.01), **weights** (a few
+   weights nudged, scale buffers kept), **encodings** (``encodings_version="2.0.0"``) and
+   **opset** (21 -> 20), each change applied on top of the previous state.
+
+``--repeat N`` repeats steps 3-4 (fresh cache each time; baseline and cold alternate which goes
+first) and keeps the best time of each case. A last child measures memory: peak RSS
+(``ru_maxrss``) of a process that builds the mid-size decoder and runs only a cold export.
+
+    python bench/bench_export.py [--models convnet,tiny_decoder,mid_decoder] [--quick]
+                                 [--repeat N] [--no-memory] [--json] [--profile-dir DIR]
+
+``--profile-dir`` runs every graphbuild case under pyinstrument (timings then include its
+overhead) and writes one text profile per model and case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+ALL_MODELS = ("convnet", "tiny_decoder", "mid_decoder")
+CASES = ("cold", "warm", "scales", "weights", "encodings", "opset")
+GIB = 1 << 30
+BASELINE_OPSET = 21  # graphbuild's default opset: the baseline exports at the same one
+
+# targets: case -> (limit, what it is a ratio of); per model class ("small" for the convnet and
+# the tiny decoder, "mid" for the mid-size decoder)
+TARGETS = {
+    "small": {
+        "warm": 0.03,
+        "scales": 0.10,
+        "weights": 0.15,
+        "encodings": 0.03,
+        "cold_vs_baseline": 1.15,
+    },
+    "mid": {
+        "warm": 0.03,
+        "scales": 0.05,
+        "weights": 0.08,
+        "encodings": 0.03,
+        "cold_vs_baseline": 1.15,
+    },
+}
+MEMORY_TARGET = 3.0
+
+# DESIGN.md's rerun table, as (stages that must be hit or cutoff, stages that must have run)
+RERUN_TABLE = {
+    "warm": (("capture", "normalize", "to_onnx", "lower_markers", "bind", "encodings"), ()),
+    "scales": (("capture", "to_onnx"), ("bind", "encodings")),
+    "weights": (("capture", "to_onnx"), ("bind",)),
+    "encodings": (("capture", "normalize", "to_onnx", "lower_markers", "bind"), ("encodings",)),
+    "opset": (("capture", "normalize"), ("to_onnx",)),
+}
+
+
+def _quiet() -> None:
+    import logging
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    for name in ("torch", "torch.onnx", "torch.export", "onnxscript", "torchao"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+# --------------------------------------------------------------------------- the two paths
+
+
+def baseline_export(model: Any, sample: tuple, path: Path) -> dict[str, float]:
+    """torch.export + torch.onnx.export (dynamo, no optimizer) + onnx.save of a float model."""
+    import onnx
+    import torch
+
+    t0 = time.perf_counter()
+    program = torch.export.export(model, sample)
+    t1 = time.perf_counter()
+    onnx_program = torch.onnx.export(
+        program, dynamo=True, optimize=False, verbose=False, opset_version=BASELINE_OPSET
+    )
+    t2 = time.perf_counter()
+    proto = onnx_program.model_proto
+    nbytes = sum(p.numel() * p.element_size() for p in program.state_dict.values())
+    if nbytes > 2 * GIB - (64 << 20):
+        onnx.save(proto, str(path), save_as_external_data=True, location=path.name + ".data")
+    else:
+        onnx.save(proto, str(path))
+    t3 = time.perf_counter()
+    return {
+        "seconds": t3 - t0,
+        "torch_export": t1 - t0,
+        "onnx_export": t2 - t1,
+        "save": t3 - t2,
+        "external_data": nbytes > 2 * GIB - (64 << 20),
+    }
+
+
+def graphbuild_export(model: Any, sample: tuple, out: Path, cache: Path, name: str, **options):
+    import graphbuild as gb
+
+    loaded: dict[str, float] = {}
+
+    def listen(event: Any) -> None:  # cache loads of hits that a dirty stage (or placing) needs
+        if event.kind.value == "loaded":
+            loaded[event.stage] = loaded.get(event.stage, 0.0) + event.seconds
+
+    t0 = time.perf_counter()
+    art = gb.export(
+        model,
+        sample,
+        out,
+        name,
+        options=gb.QnnOnnxOptions(**options),
+        cache=str(cache),
+        listeners=[listen],
+    )
+    seconds = time.perf_counter() - t0
+    rep = art.report
+    stage_seconds = {s.name: s.seconds for s in rep.stages}
+    return {
+        "seconds": seconds,
+        "statuses": rep.statuses,
+        "ran": rep.ran,
+        "stage_seconds": stage_seconds,  # the stage's function + encoding its output
+        "loaded_seconds": loaded,
+        "rest_seconds": seconds - sum(stage_seconds.values()) - sum(loaded.values()),
+        "reasons": {s.name: s.reason for s in rep.stages if s.reason},
+    }
+
+
+def _warm_up(tmp: Path) -> dict[str, float]:
+    """One tiny export on each path before anything is timed."""
+    import torch
+    from torch import nn
+
+    from bench import models
+
+    class OneLayer(nn.Module):  # not nn.Sequential: its forward argument is named `input`,
+        # which graphbuild's normalize stage cannot handle (fx renames it input_1)
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    lin = OneLayer().eval()
+    x = (torch.randn(1, 4),)
+    t0 = time.perf_counter()
+    baseline_export(lin, x, tmp / "warmup_baseline.onnx")
+    t1 = time.perf_counter()
+    fq = models.fake_quantize(lin, [x])
+    graphbuild_export(fq, x, tmp / "warmup_out", tmp / "warmup_cache", "warmup")
+    t2 = time.perf_counter()
+    return {"baseline": t1 - t0, "graphbuild": t2 - t1}
+
+
+class _Profiler:
+    """pyinstrument around one case, text written to ``dir/<model>-<case>.txt``."""
+
+    def __init__(self, directory: str | None, model: str):
+        self.dir, self.model = directory, model
+
+    def run(self, case: str, fn):
+        if not self.dir:
+            return fn()
+        from pyinstrument import Profiler
+
+        prof = Profiler(interval=0.001)
+        prof.start()
+        try:
+            return fn()
+        finally:
+            prof.stop()
+            Path(self.dir).mkdir(parents=True, exist_ok=True)
+            text = prof.output_text(unicode=False, color=False, show_all=False)
+            (Path(self.dir) / f"{self.model}-{case}.txt").write_text(text)
+
+
+def _repetition(
+    bm: Any, rep: Path, name: str, *, baseline_first: bool, prof: _Profiler
+) -> dict[str, dict[str, Any]]:
+    """Baseline and every graphbuild case once, into a fresh cache under ``rep``."""
+    from bench import models
+
+    cache, out = rep / "cache", rep / "out"
+    rep.mkdir()
+    this: dict[str, dict[str, Any]] = {}
+
+    def do_baseline() -> None:
+        gc.collect()
+        this["baseline"] = baseline_export(bm.float, bm.sample, rep / "baseline.onnx")
+        (rep / "baseline.onnx").unlink(missing_ok=True)
+        (rep / "baseline.onnx.data").unlink(missing_ok=True)
+
+    def gbx(case: str, **options: Any) -> None:
+        gc.collect()
+        this[case] = prof.run(
+            case, lambda: graphbuild_export(bm.fq, bm.sample, out, cache, name, **options)
+        )
+
+    try:
+        if baseline_first:
+            do_baseline()
+            gbx("cold")
+        else:
+            gbx("cold")
+            do_baseline()
+        gbx("warm")
+        models.change_scales(bm.fq)
+        gbx("scales")
+        models.change_weights(bm.fq)
+        gbx("weights")
+        gbx("encodings", encodings_version="2.0.0")
+        gbx("opset", opset=20)
+        return this
+    finally:
+        shutil.rmtree(rep, ignore_errors=True)
+
+
+def run_model(name: str, repeat: int, profile_dir: str | None) -> dict[str, Any]:
+    """The whole measurement of one model (run in a child process)."""
+    _quiet()
+    import torch
+
+    from bench import models
+
+    torch.set_grad_enabled(False)
+    t0 = time.perf_counter()
+    bm = models.build(name)
+    build_seconds = time.perf_counter() - t0
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench_export_{name}_"))
+    prof = _Profiler(profile_dir, name)
+    try:
+        warmup = _warm_up(tmp)
+        best: dict[str, dict[str, Any]] = {}
+        runs: list[dict[str, Any]] = []
+
+        def keep(case: str, result: dict[str, Any]) -> None:
+            if case not in best or result["seconds"] < best[case]["seconds"]:
+                best[case] = result
+
+        for r in range(repeat):
+            this = _repetition(bm, tmp / f"rep{r}", name, baseline_first=r % 2 == 0, prof=prof)
+            for case, res in this.items():
+                keep(case, res)
+            runs.append({k: round(v["seconds"], 4) for k, v in this.items()})
+        return {
+            "model": name,
+            "info": bm.info,
+            "build_seconds": build_seconds,
+            "warmup_seconds": warmup,
+            "repeat": repeat,
+            "best": best,
+            "runs": runs,
+            "maxrss_bytes": _maxrss_bytes(),
+            "loadavg_end": os.getloadavg(),
+        }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_memory(name: str, what: str) -> dict[str, Any]:
+    """Build ``name`` and run ONE cold export (``what`` = graphbuild or baseline); nothing
+    else runs in this process, so ru_maxrss is that export's peak."""
+    _quiet()
+    import torch
+
+    from bench import models
+
+    torch.set_grad_enabled(False)
+    bm = models.build(name)
+    gc.collect()
+    rss_built, maxrss_built = _rss_bytes(), _maxrss_bytes()
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench_mem_{name}_"))
+    try:
+        t0 = time.perf_counter()
+        if what == "graphbuild":
+            res = graphbuild_export(bm.fq, bm.sample, tmp / "out", tmp / "cache", name)
+            ran = res["ran"]
+        else:
+            baseline_export(bm.float, bm.sample, tmp / "baseline.onnx")
+            ran = []
+        seconds = time.perf_counter() - t0
+        peak = _maxrss_bytes()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    wb = bm.info["fp32_weight_bytes"]
+    return {
+        "model": name,
+        "what": what,
+        "fp32_weight_bytes": wb,
+        "rss_after_build": rss_built,
+        "maxrss_after_build": maxrss_built,
+        "peak_rss": peak,
+        "peak_over_weights": peak / wb,
+        "export_over_weights": (peak - rss_built) / wb,
+        "seconds": seconds,
+        "ran": ran,
+    }
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def _child(args: list[str], timeout: float = 3600) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_path = f.name
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args, "--result", result_path]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TORCH_CPP_LOG_LEVEL="ERROR")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr[-8000:])
+            raise RuntimeError(f"child {' '.join(args)} failed with exit code {proc.returncode}")
+        return json.loads(Path(result_path).read_text())
+    finally:
+        os.unlink(result_path)
+
+
+def _targets_for(name: str) -> dict[str, float]:
+    return TARGETS["mid" if name == "mid_decoder" else "small"]
+
+
+def _rerun_ok(case: str, statuses: dict[str, str]) -> bool:
+    if case not in RERUN_TABLE:
+        return True
+    hit, ran = RERUN_TABLE[case]
+    ok = all(statuses.get(s) in ("hit", "cutoff") for s in hit)
+    return ok and all(statuses.get(s) == "ran" for s in ran)
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Ratios and target checks of one model's result."""
+    best = result["best"]
+    cold = best["cold"]["seconds"]
+    base = best["baseline"]["seconds"]
+    targets = _targets_for(result["model"])
+    rows = []
+    checks = []
+    for case in ("baseline", *CASES):
+        res = best[case]
+        ratio = res["seconds"] / cold
+        row = {"case": case, "seconds": res["seconds"], "ratio_to_cold": ratio}
+        if case == "baseline":
+            row["ran"] = ["torch.export", "torch.onnx.export", "onnx.save"]
+        else:
+            row["ran"] = res["ran"]
+            row["rerun_table_ok"] = _rerun_ok(case, res["statuses"])
+        if case == "cold":
+            row["ratio_to_baseline"] = cold / base
+        rows.append(row)
+        if case in targets:
+            checks.append(
+                {
+                    "check": f"{case} / cold",
+                    "value": ratio,
+                    "limit": targets[case],
+                    "pass": ratio <= targets[case],
+                }
+            )
+    checks.append(
+        {
+            "check": "cold / baseline",
+            "value": cold / base,
+            "limit": targets["cold_vs_baseline"],
+            "pass": cold / base <= targets["cold_vs_baseline"],
+        }
+    )
+    return {"rows": rows, "checks": checks}
+
+
+def print_model(result: dict[str, Any], summary: dict[str, Any]) -> None:
+    info = result["info"]
+    print()
+    print(
+        f"== {result['model']}: {info['params'] / 1e6:.3f}M params, "
+        f"{info['fp32_weight_bytes'] / 2**20:.1f} MiB fp32, {info['fake_quant_layers']} "
+        f"fake-quant layers; best of {result['repeat']}; build {result['build_seconds']:.2f} s; "
+        f"warm-up baseline {result['warmup_seconds']['baseline']:.2f} s, "
+        f"graphbuild {result['warmup_seconds']['graphbuild']:.2f} s; load at end "
+        f"{result['loadavg_end'][0]:.2f}"
+    )
+    print(f"{'case':<10} {'seconds':>9} {'/cold':>8} {'/base':>7} {'table':>5}  stages that ran")
+    for row in summary["rows"]:
+        vs_base = f"{row['ratio_to_baseline']:.3f}" if "ratio_to_baseline" in row else ""
+        table = "" if "rerun_table_ok" not in row else ("ok" if row["rerun_table_ok"] else "BAD")
+        ran = ", ".join(row["ran"]) or "(none)"
+        print(
+            f"{row['case']:<10} {row['seconds']:9.3f} {row['ratio_to_cold']:8.4f} "
+            f"{vs_base:>7} {table:>5}  {ran}"
+        )
+    b = result["best"]["baseline"]
+    print(
+        f"baseline split: torch.export {b['torch_export']:.3f} s, torch.onnx.export "
+        f"{b['onnx_export']:.3f} s, onnx.save {b['save']:.3f} s"
+    )
+    print(
+        "graphbuild seconds: stages that ran (function + encoding the output) | cache loads "
+        "of hits | rest (keys, fingerprints, cache writes, placing files)"
+    )
+    for case in CASES:
+        res = result["best"][case]
+        stages = ", ".join(f"{k} {v:.3f}" for k, v in res["stage_seconds"].items() if v >= 0.0005)
+        loads = ", ".join(f"{k} {v:.3f}" for k, v in res["loaded_seconds"].items())
+        print(
+            f"  {case:<10} {stages or '-'} | loaded: {loads or '-'} | rest {res['rest_seconds']:.3f}"
+        )
+    for check in summary["checks"]:
+        verdict = "PASS" if check["pass"] else "MISS"
+        print(
+            f"  {verdict}  {check['check']:<18} {check['value']:8.4f}  (target <= {check['limit']})"
+        )
+
+
+def print_memory(mem: dict[str, Any]) -> None:
+    print()
+    print(
+        f"== memory: {mem['graphbuild']['model']}, fp32 weights "
+        f"{mem['graphbuild']['fp32_weight_bytes'] / 2**20:.1f} MiB"
+    )
+    print(
+        f"{'process':<22} {'rss built':>10} {'peak rss':>10} {'peak/w':>7} {'(peak-built)/w':>15}"
+        f" {'seconds':>8}"
+    )
+    for what in ("baseline", "graphbuild"):
+        m = mem.get(what)
+        if not m:
+            continue
+        print(
+            f"{what + ' cold export':<22} {m['rss_after_build'] / 2**20:8.0f}Mi "
+            f"{m['peak_rss'] / 2**20:8.0f}Mi {m['peak_over_weights']:7.2f} "
+            f"{m['export_over_weights']:15.2f} {m['seconds']:8.2f}"
+        )
+    for check in mem["checks"]:
+        verdict = "PASS" if check["pass"] else "MISS"
+        print(
+            f"  {verdict}  {check['check']:<30} {check['value']:6.2f}  (target <= {check['limit']})"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=None, help=f"comma-separated, from {ALL_MODELS}")
+    parser.add_argument("--quick", action="store_true", help="skip the mid-size decoder")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="repetitions per model (default 3 small, 1 mid-size)",
+    )
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--profile-dir", default=None, help="pyinstrument text per case here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-what", default="graphbuild", help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        res = run_model(args.worker, args.repeat or 1, args.profile_dir)
+        Path(args.result).write_text(json.dumps(res))
+        return
+    if args.memory_worker:
+        res = run_memory(args.memory_worker, args.memory_what)
+        Path(args.result).write_text(json.dumps(res))
+        return
+
+    names = [n.strip() for n in args.models.split(",")] if args.models else list(ALL_MODELS)
+    if args.quick:
+        names = [n for n in names if n != "mid_decoder"]
+    unknown = set(names) - set(ALL_MODELS)
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(sorted(unknown))}; known: {ALL_MODELS}")
+
+    doc: dict[str, Any] = {
+        "models": {},
+        "targets": TARGETS,
+        "memory_target": MEMORY_TARGET,
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+    }
+    if not args.json:
+        load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+        print(f"{os.cpu_count()} CPUs, load average at start {load} (other processes add noise)")
+    for name in names:
+        repeat = args.repeat or (1 if name == "mid_decoder" else 3)
+        extra = ["--profile-dir", args.profile_dir] if args.profile_dir else []
+        result = _child(["--worker", name, "--repeat", str(repeat), *extra])
+        summary = summarize(result)
+        doc["models"][name] = {**result, **summary}
+        if not args.json:
+            print_model(result, summary)
+            sys.stdout.flush()
+
+    if "mid_decoder" in names and not args.no_memory:
+        mem = {
+            what: _child(["--memory-worker", "mid_decoder", "--memory-what", what])
+            for what in ("baseline", "graphbuild")
+        }
+        g = mem["graphbuild"]
+        mem["checks"] = [
+            {
+                "check": "graphbuild peak / weights",
+                "value": g["peak_over_weights"],
+                "limit": MEMORY_TARGET,
+                "pass": g["peak_over_weights"] <= MEMORY_TARGET,
+            },
+            {
+                "check": "graphbuild (peak-built) / w",
+                "value": g["export_over_weights"],
+                "limit": MEMORY_TARGET,
+                "pass": g["export_over_weights"] <= MEMORY_TARGET,
+            },
+        ]
+        doc["memory"] = mem
+        if not args.json:
+            print_memory(mem)
+
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
