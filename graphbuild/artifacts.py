@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,10 +130,29 @@ def register_codec(codec: Codec, *, first: bool = True) -> Codec:
     return codec
 
 
+# Codecs whose modules import heavy libraries register on first need.
+_LAZY_CODECS = {
+    "exported_program": "graphbuild.programs",
+    "onnx": "graphbuild.onnx_artifacts",
+    "bound_onnx": "graphbuild.onnx_artifacts",
+}
+
+
+def _load_lazy_codecs(name: str | None = None) -> None:
+    import importlib
+
+    for codec, module in _LAZY_CODECS.items():
+        if name is None or codec == name:
+            importlib.import_module(module)
+
+
 def codec_for(value: Any) -> Codec:
-    for codec in _CODECS:
-        if codec.accepts(value):
-            return codec
+    for attempt in range(2):
+        for codec in _CODECS:
+            if codec.accepts(value):
+                return codec
+        if attempt == 0:
+            _load_lazy_codecs()
     raise CodecError(
         f"no artifact codec for stage outputs of type {type(value).__module__}."
         f"{type(value).__qualname__}; return a JSON-able value, bytes, tensors, or register one "
@@ -141,13 +161,23 @@ def codec_for(value: Any) -> Codec:
 
 
 def encode(value: Any) -> Encoded:
+    known = _ENCODED.get(id(value))
+    if known is not None and known[0]() is value:
+        return known[1]
     return codec_for(value).encode(value)
+
+
+# value id -> (weak reference, its Encoded): what roundtrip() already serialized
+_ENCODED: dict[int, tuple[Any, Encoded]] = {}
 
 
 def decode(description: dict[str, Any], read_part: Callable[[str, int], bytes]) -> Any:
     """Rebuild a value from its manifest description, reading each blob through
     ``read_part`` (which verifies the digest)."""
     codec = _BY_NAME.get(description["codec"])
+    if codec is None and description["codec"] in _LAZY_CODECS:
+        _load_lazy_codecs(description["codec"])
+        codec = _BY_NAME.get(description["codec"])
     if codec is None:
         raise CodecError(f"the cache holds an artifact of unknown codec '{description['codec']}'")
     parts = [read_part(d, s) for d, s in description["parts"]]
@@ -160,7 +190,13 @@ def roundtrip(value: Any) -> Any:
     survive encoding unchanged return this, so a hit and a fresh run feed dependents alike."""
     encoded = encode(value)
     parts = {p.digest: bytes(p.data) for p in encoded.all_parts()}
-    return decode(encoded.describe(), lambda digest, size: parts[digest])
+    loaded = decode(encoded.describe(), lambda digest, size: parts[digest])
+    try:
+        ref = weakref.ref(loaded, lambda _, key=id(loaded): _ENCODED.pop(key, None))
+    except TypeError:  # not weakly referenceable: nothing to remember
+        return loaded
+    _ENCODED[id(loaded)] = (ref, encoded)  # encoding it again would give the same bytes
+    return loaded
 
 
 # --------------------------------------------------------------------------- built-ins

@@ -396,10 +396,15 @@ def _distributions() -> Mapping[str, list[str]]:
     return importlib.metadata.packages_distributions()
 
 
+@functools.cache
 def _library_version(module_name: str) -> str:
     top = module_name.split(".")[0]
     if top in sys.stdlib_module_names or top == "builtins":
         return f"python {sys.version.split()[0]}"
+    try:  # the common case, import name == distribution name: no scan of every package
+        return f"{top} {importlib.metadata.version(top)}"
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        pass
     dists = _distributions().get(top, [])
     versions = []
     for dist in dists:

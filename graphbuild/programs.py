@@ -9,8 +9,10 @@ carries values (PT2E output) stores its state as raw tensors.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,8 +142,43 @@ class ProgramCodec(Codec):
                 name: placeholder(shape, getattr(torch, dt), p)
                 for name, p, dt, shape in meta["state"]
             }
-        program = deserialize(SerializedArtifact(bytes(parts[0]), state, constants, b""))
+        with _cached_type_hints():
+            program = deserialize(SerializedArtifact(bytes(parts[0]), state, constants, b""))
         return ProgramArtifact(program, meta["has_state"])
+
+
+@contextlib.contextmanager
+def _cached_type_hints() -> Iterator[None]:
+    """torch's program deserializer calls ``typing.get_type_hints`` on its schema
+    dataclasses once per graph object; the answer never changes, and caching it halves the
+    time to load a program."""
+    from torch._export.serde import serialize as serde
+
+    real = serde.typing
+    if isinstance(real, _TypingWithCachedHints):
+        yield
+        return
+    serde.typing = _TypingWithCachedHints(real)
+    try:
+        yield
+    finally:
+        serde.typing = real
+
+
+class _TypingWithCachedHints(types.ModuleType):
+    """The typing module with a memoized ``get_type_hints``."""
+
+    def __init__(self, typing_module: types.ModuleType):
+        super().__init__("typing")
+        self.__dict__.update(vars(typing_module))
+        self._hints: dict[tuple, Any] = {}
+        self._real = typing_module.get_type_hints
+
+    def get_type_hints(self, obj, globalns=None, localns=None, include_extras=False):
+        key = (obj, id(globalns), id(localns), include_extras)
+        if key not in self._hints:
+            self._hints[key] = self._real(obj, globalns, localns, include_extras)
+        return self._hints[key]
 
 
 def _register_quantization_ops() -> None:

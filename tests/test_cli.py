@@ -33,10 +33,12 @@ STAGES = [
     "capture",
     "quantize",
     "normalize",
+    "quant_map",
     "qparams",
     "marker_graph",
     "to_onnx",
     "lower_markers",
+    "weight_qparams",
     "bind",
     "encodings",
 ]

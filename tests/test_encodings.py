@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -460,3 +462,25 @@ def test_encoding_a_tensor_the_model_lacks_is_an_export_error():
     quantizers = {"nope": matmul_relu_quantizers()["x"]}
     with pytest.raises(ExportError, match="'nope'"):
         insert_fake_quant(matmul_relu(), encode_named(quantizers, "1.0.0"))
+
+
+@pytest.mark.parametrize("version", ["1.0.0", "0.6.1", "2.0.0"])
+def test_written_text_parses_back_to_the_document_one_entry_per_line(version):
+    from graphbuild.stages.encodings import dumps_encodings
+
+    qmap = QuantMap(
+        (
+            QuantSpec(0, 8, False, 0, 255),
+            QuantSpec(1, 8, True, -127, 127, axis=0, param="w"),
+        )
+    )
+    values = QuantValues(
+        {
+            0: QParams(torch.tensor([0.1]), torch.tensor([3])),
+            1: QParams(torch.tensor([0.1, 0.2]), torch.tensor([0, 0])),
+        }
+    )
+    doc = build_encodings(qmap, values, {0: "a", 1: "w"}, version)
+    text = dumps_encodings(doc)
+    assert json.loads(text) == doc
+    assert len(text.splitlines()) >= 4

@@ -519,3 +519,127 @@ def test_torchao_convert_pt2e_output():
     values = collect_qvalues(program, qmap)
     assert all(v.scale.dtype == torch.float32 for v in values.values.values())
     torch.testing.assert_close(out.module()(x), model(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Node names the graph copy would change (a placeholder ``input`` shadows a builtin)
+# ---------------------------------------------------------------------------------------------
+
+
+class FakeQuantModule(nn.Module):
+    """A fake quantizer with buffer qparams whose forward argument is named ``input``."""
+
+    def __init__(self, scale: float = 0.1, zp: int = 0) -> None:
+        super().__init__()
+        self.quant = True
+        self.register_buffer("s", torch.tensor([scale]))
+        self.register_buffer("z", torch.tensor([zp], dtype=torch.int32))
+
+    def forward(self, input):
+        if not self.quant:
+            return input
+        return torch.fake_quantize_per_tensor_affine(input, self.s, self.z, -128, 127)
+
+
+class OwnInputQDQ(nn.Module):
+    """Its own forward argument is named ``input``; a q/dq pair on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant = True
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, input):
+        if self.quant:
+            args = (0.05, 2, -128, 127, torch.int8)
+            input = qd.dequantize_per_tensor(qd.quantize_per_tensor(input, *args), *args)
+        return self.lin(input).relu()
+
+
+def assert_signature_matches_graph(program: ExportedProgram) -> None:
+    placeholders = [n.name for n in program.graph.find_nodes(op="placeholder")]
+    assert [s.arg.name for s in program.graph_signature.input_specs] == placeholders
+    outputs = program.graph.output_node().args[0]
+    assert [s.arg.name for s in program.graph_signature.output_specs] == [n.name for n in outputs]
+
+
+def normalize_twice(program: ExportedProgram) -> ExportedProgram:
+    """Normalize; check the result is valid and its graph text deterministic."""
+    out, _ = normalize_program(program)
+    again, _ = normalize_program(program)
+    assert str(out.graph) == str(again.graph)
+    assert str(out.graph_signature) == str(again.graph_signature)
+    assert_signature_matches_graph(out)
+    return out
+
+
+def test_sequential_with_fake_quant_module_taking_input():
+    fq = FakeQuantModule(scale=0.25, zp=1)
+    model = nn.Sequential(nn.Linear(4, 4), fq, nn.ReLU())
+    program = export(model, torch.randn(2, 4))
+    assert "input" in [n.name for n in program.graph.find_nodes(op="placeholder")]
+    out = normalize_twice(program)
+    assert list(out.graph_signature.user_inputs) == ["input"]
+    assert set(out.state_dict) == {"0.weight", "0.bias"}
+    qmap = normalize_program(program)[1]
+    (spec,) = qmap
+    assert spec.scale == ValueRef("state", "1.s") and spec.zero_point == ValueRef("state", "1.z")
+    assert collect_qvalues(program, qmap)[0].scale.tolist() == [0.25]
+    x = torch.randn(2, 4)
+    fq.quant = False  # markers are identity
+    torch.testing.assert_close(out.module()(x), model(x))
+
+
+def test_own_forward_argument_named_input_with_qdq_pair():
+    model = OwnInputQDQ()
+    program = export(model, torch.randn(2, 4))
+    out = normalize_twice(program)
+    (marker,) = [n for n in out.graph.nodes if is_marker(n)]
+    assert marker.args[0].name == "input"
+    assert list(out.graph_signature.user_inputs) == ["input"]
+    x = torch.randn(2, 4)
+    model.quant = False
+    torch.testing.assert_close(out.module()(x), model(x))
+    buffer = io.BytesIO()
+    torch.export.save(out, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.export.load(buffer).module()(x), model(x))
+
+
+def test_output_that_is_a_quantizer_output_stays_valid():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fq = FakeQuantModule()
+
+        def forward(self, input):
+            args = (0.1, 0, 0, 255, torch.uint8)
+            y = qd.dequantize_per_tensor(qd.quantize_per_tensor(input, *args), *args)
+            return self.fq(input.relu()), y
+
+    program = export(M(), torch.randn(2, 4))
+    out = normalize_twice(program)
+    markers = [n for n in out.graph.nodes if is_marker(n)]
+    assert len(markers) == 2
+    assert set(out.graph.output_node().args[0]) == set(markers)
+    assert set(out.graph_signature.user_outputs) == {m.name for m in markers}
+    x = torch.randn(2, 4)
+    a, b = out.module()(x)
+    torch.testing.assert_close(a, x.relu())
+    torch.testing.assert_close(b, x)
+
+
+def test_names_that_collide_with_renamed_copies_are_kept():
+    class M(nn.Module):
+        def forward(self, input, input_1):
+            x = torch.fake_quantize_per_tensor_affine(input, 0.1, 0, -128, 127)
+            return x + input_1
+
+    program = torch.export.export(M(), (torch.randn(2, 4), torch.randn(2, 4)))
+    out = normalize_twice(program)
+    names = list(out.graph_signature.user_inputs)
+    assert names == list(program.graph_signature.user_inputs) == ["input", "input_1"]
+    (marker,) = [n for n in out.graph.nodes if is_marker(n)]
+    assert marker.args[0].name == "input"
+    assert [a.name for a in next(iter(marker.users)).args] == [marker.name, "input_1"]
+    # not run: torch's FX codegen already miscompiles these two names in the exported program

@@ -19,6 +19,7 @@ What the formats cannot say, and the conventions used to read them back:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import re
 from collections import defaultdict
@@ -673,3 +674,29 @@ class _FakeQuantEditor:
             value = out
         nodes.append(helper.make_node("Mul", [value, s], [dst], name=self.fresh(f"{base}_mul")))
         return nodes
+
+
+def dumps_encodings(doc: Mapping[str, Any]) -> str:
+    """The encodings document as text: one entry per line, so the file stays readable and
+    diffable while large models are written by the C JSON encoder (``indent`` would switch
+    to the slow pure-Python one)."""
+    compact = json.JSONEncoder(separators=(", ", ": ")).encode
+
+    def block(value: Any, depth: int) -> str:
+        pad, inner = "  " * depth, "  " * (depth + 1)
+        if (
+            isinstance(value, dict)
+            and depth == 0
+            or (
+                isinstance(value, dict)
+                and value
+                and all(isinstance(v, list) for v in value.values())
+            )
+        ):
+            items = [f"{inner}{compact(k)}: {block(v, depth + 1)}" for k, v in value.items()]
+            return "{\n" + ",\n".join(items) + f"\n{pad}}}" if items else "{}"
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            return "[\n" + ",\n".join(inner + compact(v) for v in value) + f"\n{pad}]"
+        return compact(value)
+
+    return block(dict(doc), 0) + "\n"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -560,7 +560,13 @@ def _check_subgraphs(program: ExportedProgram) -> None:
 
 
 def _copy_graph(graph: Graph) -> tuple[Graph, dict[Node, Node]]:
-    """A node-for-node copy (names kept; meta dicts copied, their values shared)."""
+    """A node-for-node copy (names kept; meta dicts copied, their values shared) and the map
+    from each node of ``graph`` to its copy.
+
+    ``Graph.graph_copy`` renames nodes whose name shadows a builtin (a placeholder ``input``
+    becomes ``input_1``); the original names are put back, as ``torch.export`` itself names
+    nodes, so the signature, the module call graph and the graph text keep matching.
+    """
     new = Graph()
     val_map: dict[Node, Node] = {}
     result = new.graph_copy(graph, val_map, return_output_node=True)
@@ -568,7 +574,25 @@ def _copy_graph(graph: Graph) -> tuple[Graph, dict[Node, Node]]:
     out_value, out_node = result  # type: ignore[misc]
     output = new.output(out_value, type_expr=out_node.type)
     output.meta = copy.copy(out_node.meta)
+    val_map[out_node] = output
+    _restore_names(new, val_map)
     return new, val_map
+
+
+def _restore_names(graph: Graph, val_map: Mapping[Node, Node]) -> None:
+    """Give every copy in ``val_map`` its original's name. The originals' names are unique,
+    so the copies' are too once all are restored; the namespace records them so nodes
+    created later (markers) cannot take one."""
+    namespace = graph._graph_namespace
+    for old, new in val_map.items():
+        if new.name != old.name:
+            new.name = old.name
+            if new.op == "placeholder" and new.target != old.target:
+                new.target = old.target
+        namespace._rename_object(new, old.name)
+    names = [n.name for n in graph.nodes]
+    if len(set(names)) != len(names):  # cannot happen for a valid graph; never emit one
+        raise ExportError("graph copy produced duplicate node names")
 
 
 _MARKER_META = ("val", "tensor_meta", "nn_module_stack", "stack_trace", "source_fn_stack")
@@ -612,42 +636,61 @@ def _apply_matches(graph: Graph, matches: list[Match], val_map: dict[Node, Node]
     return {n.name: marker.name for n, marker in superseded.items()}
 
 
-def _drop_dead_helpers(graph: Graph, used_before: set[str]) -> None:
-    """Erase value helper ops (copies of lifted constants, ``full``...) left without users."""
+def _drop_dead_helpers(graph: Graph, origin: Mapping[Node, Node]) -> None:
+    """Erase value helper ops (copies of lifted constants, ``full``...) left without users.
+    ``origin`` maps each copied node to the program's node it copies."""
     for node in reversed(list(graph.nodes)):
         if (
             node.op == "call_function"
             and not node.users
-            and node.name in used_before
+            and node in origin
+            and origin[node].users
             and _aten_name(node.target) in _VALUE_HELPERS
         ):
             graph.erase_node(node)
 
 
-def _drop_unused_state(graph: Graph, program: ExportedProgram, used_before: set[str]) -> set[str]:
-    """Erase parameter/buffer/constant placeholders that lost all their users; their names."""
+def _drop_unused_state(
+    graph: Graph, program: ExportedProgram, origin: Mapping[Node, Node]
+) -> set[str]:
+    """Erase parameter/buffer/constant placeholders that lost all their users; the names of
+    the program's placeholders they copied (the names its signature uses)."""
     mutated = {s.target for s in program.graph_signature.output_specs if s.target is not None}
     removed: set[str] = set()
     for node in list(graph.find_nodes(op="placeholder")):
-        spec = input_spec(program, node)
-        if node.users or node.name not in used_before or spec is None:
+        old = origin.get(node)
+        spec = input_spec(program, old) if old is not None else None
+        if node.users or old is None or not old.users or spec is None:
             continue
         if spec.kind in _REMOVABLE_KINDS and spec.target not in mutated:
             graph.erase_node(node)
-            removed.add(node.name)
+            removed.add(old.name)
     return removed
 
 
+def _renamed_arg(arg: Any, name: str) -> Any:
+    """A copy of a signature argument, named ``name`` when it has a name."""
+    arg = copy.copy(arg)
+    if isinstance(getattr(arg, "name", None), str):
+        arg.name = name
+    return arg
+
+
 def _new_signature(
-    program: ExportedProgram, graph: Graph, removed: set[str]
+    program: ExportedProgram, graph: Graph, removed: set[str], val_map: Mapping[Node, Node]
 ) -> ExportGraphSignature:
-    """The signature without removed inputs, its outputs named after the graph's."""
+    """The signature without removed inputs, every input and output named after the node of
+    ``graph`` it now refers to (``val_map``: the program's nodes -> their copies)."""
     sig = program.graph_signature
-    inputs = [
-        replace(s, arg=copy.copy(s.arg))
-        for s in sig.input_specs
-        if getattr(s.arg, "name", None) not in removed
-    ]
+    placeholders = {n.name: val_map[n] for n in program.graph.find_nodes(op="placeholder")}
+    inputs: list[InputSpec] = []
+    for spec in sig.input_specs:
+        name = getattr(spec.arg, "name", None)
+        if name in removed:
+            continue
+        node = placeholders.get(name) if isinstance(name, str) else None
+        arg = _renamed_arg(spec.arg, node.name) if node is not None else copy.copy(spec.arg)
+        inputs.append(replace(spec, arg=arg))
     outs = graph.output_node().args[0]
     outputs: list[OutputSpec] = []
     for spec, value in zip(sig.output_specs, outs, strict=True):
@@ -670,11 +713,15 @@ def _module_call_graph(program: ExportedProgram, renames: Mapping[str, str]) -> 
 
 
 def _rebuild(
-    program: ExportedProgram, graph: Graph, removed: set[str], renames: Mapping[str, str]
+    program: ExportedProgram,
+    graph: Graph,
+    removed: set[str],
+    renames: Mapping[str, str],
+    val_map: Mapping[Node, Node],
 ) -> ExportedProgram:
     """A valid ExportedProgram over ``graph``, sharing the original's tensors. The
     constructor runs torch's verifier (signature, state dict, module call graph)."""
-    signature = _new_signature(program, graph, removed)
+    signature = _new_signature(program, graph, removed, val_map)
     kept = {s.target for s in signature.input_specs if s.target is not None}
     gone = {
         s.target
@@ -723,12 +770,15 @@ def normalize_program(program: ExportedProgram) -> tuple[ExportedProgram, QuantM
     specs = (_spec(qid, anchor, m, program) for qid, (anchor, m) in enumerate(matches))
     qmap = QuantMap(tuple(specs))
     graph, val_map = _copy_graph(program.graph)
-    renames = _apply_matches(graph, [m for _, m in matches], val_map)
-    used_before = {n.name for n in program.graph.nodes if n.users}
-    _drop_dead_helpers(graph, used_before)
-    removed = _drop_unused_state(graph, program, used_before)
+    markers = _apply_matches(graph, [m for _, m in matches], val_map)
+    # the program's node names -> the names they have in the result
+    renames = {old.name: markers.get(new.name, new.name) for old, new in val_map.items()}
+    renames = {old: new for old, new in renames.items() if old != new}
+    origin = {new: old for old, new in val_map.items()}
+    _drop_dead_helpers(graph, origin)
+    removed = _drop_unused_state(graph, program, origin)
     graph.lint()
-    return _rebuild(program, graph, removed, renames), qmap
+    return _rebuild(program, graph, removed, renames, val_map), qmap
 
 
 # --------------------------------------------------------------------------------------------
@@ -778,25 +828,52 @@ def _resolve(
     raise ExportError(f"unknown value kind '{ref.kind}' for '{ref.name}'")
 
 
-def _qparams(
-    spec: QuantSpec,
-    program: ExportedProgram,
-    nodes: Mapping[str, Node],
-    state: Mapping[str, torch.Tensor] | None,
-) -> QParams:
+def _qparams(spec: QuantSpec, resolve: Callable[[ValueRef], torch.Tensor]) -> QParams:
     if spec.scale is None:
         raise ExportError(f"quantizer {spec.qid} has no scale source")
-    scale = _resolve(spec.scale, program, nodes, state).to(torch.float32)
+    scale = resolve(spec.scale).to(torch.float32)
     if spec.zero_point is None:
         zero_point = torch.zeros(scale.shape, dtype=torch.int64)
     else:
-        zero_point = _resolve(spec.zero_point, program, nodes, state)
+        zero_point = resolve(spec.zero_point)
         if zero_point.is_floating_point():  # learnable fake-quant: rounded, clamped as ATen does
             zero_point = zero_point.round().clamp(spec.qmin, spec.qmax)
         zero_point = zero_point.to(torch.int64)
     if spec.block_size is None:
         scale, zero_point = scale.reshape(-1), zero_point.reshape(-1)
     return QParams(scale.clone(), zero_point.clone())
+
+
+def _ref_key(ref: ValueRef) -> str:
+    return f"{ref.kind}:{ref.name}"
+
+
+def fixed_values(program: ExportedProgram, qmap: QuantMap) -> dict[str, torch.Tensor]:
+    """The quantizer values written into the graph itself (literals, lifted constants), by
+    ``kind:name``: part of the code, so a stage can carry them without the program."""
+    nodes = {n.name: n for n in program.graph.nodes}
+    refs = [r for s in qmap for r in (s.scale, s.zero_point) if r is not None]
+    return {
+        _ref_key(r): _resolve(r, program, nodes, None).clone() for r in refs if r.kind != "state"
+    }
+
+
+def qvalues_from(
+    qmap: QuantMap, fixed: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]
+) -> QuantValues:
+    """Scales and zero points from the model's state (parameters and buffers, by name) and
+    the values :func:`fixed_values` took from the graph."""
+
+    def resolve(ref: ValueRef) -> torch.Tensor:
+        if ref.kind != "state":
+            return fixed[_ref_key(ref)]
+        if ref.name not in state:
+            raise ExportError(
+                f"the model has no parameter or buffer '{ref.name}' holding a quantizer value"
+            )
+        return state[ref.name].detach()
+
+    return QuantValues({s.qid: _qparams(s, resolve) for s in qmap})
 
 
 def collect_qvalues(
@@ -810,4 +887,6 @@ def collect_qvalues(
     when given, supplies parameters and buffers instead of ``program.state_dict``.
     """
     nodes = {n.name: n for n in program.graph.nodes}
-    return QuantValues({s.qid: _qparams(s, program, nodes, state) for s in qmap})
+    return QuantValues(
+        {s.qid: _qparams(s, lambda ref: _resolve(ref, program, nodes, state)) for s in qmap}
+    )

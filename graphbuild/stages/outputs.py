@@ -25,7 +25,6 @@ from ..cache import Cache
 from ..hashing import Hasher, digest_json
 from ..pipeline import Pipeline
 from ..scheduler import RunReport, toolchain_versions
-from .bind import BoundModel, save_model
 
 LOCK_FILE = "graphbuild.lock.json"
 
@@ -54,7 +53,8 @@ def place_outputs(
         lock = _lock(pipeline, report, placement, placed)
         _write_lock_if_changed(placement.out_dir, lock)
         return {**files, "lock": placement.out_dir / LOCK_FILE}, lock
-    files, digests, lock = _place(pipeline, result, placement, products)
+    reusable = _reusable(stamp, products, placement) if stamp is not None else {}
+    files, digests, lock = _place(pipeline, result, placement, products, reusable)
     if cache is not None:
         cache.record_placement(
             stamp_key,
@@ -67,14 +67,32 @@ def place_outputs(
     return {**files, "lock": placement.out_dir / LOCK_FILE}, lock
 
 
+def _intact(f: Mapping[str, Any], placement: Placement) -> bool:
+    path = placement.out_dir / f["name"]
+    return _stat(path) == {k: f.get(k) for k in ("bytes", "mtime_ns", "inode")}
+
+
 def _unchanged(stamp: dict[str, Any], products: dict[str, str], placement: Placement) -> bool:
     if stamp.get("products") != products or stamp.get("external_data") != placement.external_data:
         return False
-    for _, f in stamp.get("files", []):
-        path = placement.out_dir / f["name"]
-        if _stat(path) != {k: f.get(k) for k in ("bytes", "mtime_ns", "inode")}:
-            return False
-    return True
+    return all(_intact(f, placement) for _, f in stamp.get("files", []))
+
+
+def _reusable(
+    stamp: dict[str, Any], products: dict[str, str], placement: Placement
+) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """Products whose output is unchanged and whose placed files are intact: their files
+    are linked into the new output directory instead of being loaded and written again."""
+    if stamp.get("external_data") != placement.external_data:
+        return {}
+    out: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for kind, f in stamp.get("files", []):
+        sink = f.get("product")
+        if sink is not None and stamp.get("products", {}).get(sink) == products.get(sink):
+            out.setdefault(sink, []).append((kind, f))
+    return {
+        sink: files for sink, files in out.items() if all(_intact(f, placement) for _, f in files)
+    }
 
 
 def _stat(path: Path) -> dict[str, Any]:
@@ -86,7 +104,11 @@ def _stat(path: Path) -> dict[str, Any]:
 
 
 def _place(
-    pipeline: Pipeline, result: Any, placement: Placement, products: Mapping[str, str]
+    pipeline: Pipeline,
+    result: Any,
+    placement: Placement,
+    products: Mapping[str, str],
+    reusable: Mapping[str, list[tuple[str, dict[str, Any]]]],
 ) -> tuple[dict[str, Path], dict[str, dict[str, Any]], dict[str, Any]]:
     out_dir = placement.out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -98,17 +120,27 @@ def _place(
     )
     try:
         written: dict[str, Path] = {}
+        digests: dict[str, dict[str, Any]] = {}
         for sink in products:
+            if sink in reusable:
+                for kind, f in reusable[sink]:
+                    written[kind] = tmp / f["name"]
+                    os.link(out_dir / f["name"], written[kind])
+                    digests[kind] = {"name": f["name"], "xxh3_128": f["xxh3_128"], "product": sink}
+                continue
             value = result.outputs.get(sink)
             if value is None or not _placeable(value):
                 continue
             items = value.items() if isinstance(value, Mapping) else [(sink, value)]
             for kind, item in items:
                 for path in _write(item, tmp, placement):
-                    written[_kind(path.name, placement.model_name, kind)] = path
-        digests = {
-            kind: {"name": p.name, "xxh3_128": _file_digest(p)} for kind, p in written.items()
-        }
+                    kind_of = _kind(path.name, placement.model_name, kind)
+                    written[kind_of] = path
+                    digests[kind_of] = {
+                        "name": path.name,
+                        "xxh3_128": _file_digest(path),
+                        "product": sink,
+                    }
         lock = _lock(pipeline, result.report, placement, digests, written)
         (tmp / LOCK_FILE).write_text(_lock_text(lock))
         stale = {f"{placement.model_name}.onnx.data"} - {p.name for p in written.values()}
@@ -231,12 +263,16 @@ def _alive(pid: int) -> bool:
 
 
 def _placeable(value: Any) -> bool:
+    from .bind import BoundModel
+
     if isinstance(value, (BoundModel, FileArtifact)):
         return True
     return isinstance(value, Mapping) and bool(value) and all(map(_placeable, value.values()))
 
 
 def _write(item: Any, tmp: Path, placement: Placement) -> list[Path]:
+    from .bind import BoundModel, save_model
+
     if isinstance(item, BoundModel):
         target = tmp / f"{placement.model_name}.onnx"
         return list(save_model(item, target, external_data=placement.external_data))

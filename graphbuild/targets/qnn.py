@@ -3,8 +3,9 @@
 ::
 
     capture -> [quantize] -> normalize -> marker_graph -> to_onnx -> lower_markers -> bind
-                  |              |                        |             \\
-                  +--------------+--> qparams ------------+--> encodings -+-> [check_numerics]
+                                 |                                      |            ^
+                                 +-> quant_map -> qparams -> [weight_qparams] ------+
+                                                    +---------------------> encodings
 
 Structure (capture, normalize, to_onnx, lower_markers) never reads weight or quantizer
 values; values enter at qparams, bind and encodings (DESIGN.md, invariant 5).
@@ -19,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import onnx_artifacts  # noqa: F401 - registers the ONNX codecs
 from ..artifacts import FileArtifact, roundtrip
 from ..errors import ConfigError
 from ..pipeline import Pipeline
@@ -92,26 +92,45 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
 
 
 def normalize(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """Markers in place of quantizers: (marker graph, quant map, values written into the
+    graph itself: literal and constant scales of a pre-quantized model)."""
+    from ..stages.normalize import fixed_values, normalize_program
+
+    (program,) = inputs
+    marker, qmap = normalize_program(program.program)
+    fixed = fixed_values(program.program, qmap)
+    return roundtrip(ProgramArtifact(strip_state(marker))), qmap.to_json(), fixed
+
+
+def normalize_quantized(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """normalize for a PT2E program: its values are calibrated, qparams reads them there."""
     from ..stages.normalize import normalize_program
 
     (program,) = inputs
     marker, qmap = normalize_program(program.program)
-    return roundtrip(ProgramArtifact(strip_state(marker))), qmap.to_json()
+    return roundtrip(ProgramArtifact(strip_state(marker))), qmap.to_json(), {}
 
 
 def marker_graph(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     """The marker graph alone: a new bit-width changes the quant map, not the graph, so the
     ONNX exporter behind this stage is cut off."""
-    ((marker, _),) = inputs
+    ((marker, _, _),) = inputs
     return marker
+
+
+def quant_map(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """The quant map alone (and the graph's own quantizer values): what the value stages
+    need, without loading a program."""
+    ((_, qmap, fixed),) = inputs
+    return qmap, fixed
 
 
 def qparams_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
     """Scales and zero points of a pre-quantized model (its fake-quant state)."""
-    from ..stages.normalize import collect_qvalues
+    from ..stages.normalize import qvalues_from
 
-    program, (_, qmap) = inputs
-    values = collect_qvalues(program.program, QuantMap.from_json(qmap), _model_state(context.input))
+    ((qmap, fixed),) = inputs
+    values = qvalues_from(QuantMap.from_json(qmap), fixed, _model_state(context.input))
     return values.to_tensors()
 
 
@@ -119,8 +138,16 @@ def qparams_from_program(inputs: tuple, samples: Any, context: Any) -> dict:
     """Scales and zero points calibrated by the quantize stage."""
     from ..stages.normalize import collect_qvalues
 
-    program, (_, qmap) = inputs
+    program, (qmap, _) = inputs
     return collect_qvalues(program.program, QuantMap.from_json(qmap)).to_tensors()
+
+
+def weight_qparams(inputs: tuple, samples: Any, context: Any) -> dict:
+    """The scales of weight quantizers only: in ``onnx`` the bound weights depend on these,
+    so retuning an activation scale leaves bind clean."""
+    qvalues, (qmap, _) = inputs
+    params = {str(s["qid"]) for s in qmap["quantizers"] if s["param"] is not None}
+    return {k: v for k, v in qvalues.items() if k.split(".")[0] in params}
 
 
 def to_onnx(inputs: tuple, samples: Any, context: Any) -> Any:
@@ -138,7 +165,7 @@ def to_onnx(inputs: tuple, samples: Any, context: Any) -> Any:
 def lower_onnx(inputs: tuple, samples: Any, context: Any) -> tuple:
     from ..stages.lower import lower_markers
 
-    skeleton, (_, qmap) = inputs
+    skeleton, (qmap, _) = inputs
     lowered, names = lower_markers(skeleton, QuantMap.from_json(qmap), "onnx")
     return lowered, {str(q): n for q, n in sorted(names.items())}
 
@@ -146,7 +173,7 @@ def lower_onnx(inputs: tuple, samples: Any, context: Any) -> tuple:
 def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
     from ..stages.lower import lower_markers
 
-    skeleton, (_, qmap) = inputs
+    skeleton, (qmap, _) = inputs
     lowered, names = lower_markers(skeleton, QuantMap.from_json(qmap), "onnx_qdq")
     return lowered, {str(q): n for q, n in sorted(names.items())}
 
@@ -155,7 +182,7 @@ def bind_model_weights(inputs: tuple, samples: Any, context: Any) -> Any:
     """Put the model's current weights (and quantizer values) into the lowered skeleton."""
     from ..stages.bind import bind
 
-    (lowered, _), (_, qmap), qvalues = inputs
+    (lowered, _), (qmap, _), qvalues = inputs
     return bind(
         lowered,
         _model_state(context.input),
@@ -169,7 +196,7 @@ def bind_program_weights(inputs: tuple, samples: Any, context: Any) -> Any:
     """Put the quantize stage's weights (BatchNorm folded by PT2E) into the skeleton."""
     from ..stages.bind import bind
 
-    (lowered, _), (_, qmap), qvalues, program = inputs
+    (lowered, _), (qmap, _), qvalues, program = inputs
     state = dict(program.program.state_dict)
     state.update(program.program.constants)
     return bind(
@@ -182,17 +209,16 @@ def bind_program_weights(inputs: tuple, samples: Any, context: Any) -> Any:
 
 
 def encodings(inputs: tuple, samples: Any, context: Any) -> FileArtifact:
-    from ..stages.encodings import build_encodings
+    from ..stages.encodings import build_encodings, dumps_encodings
 
-    (_, qmap), qvalues, (_, names) = inputs
+    (qmap, _), qvalues, (_, names) = inputs
     doc = build_encodings(
         QuantMap.from_json(qmap),
         QuantValues.from_tensors(qvalues),
         {int(q): n for q, n in names.items()},
         context["encodings_version"],
     )
-    text = json.dumps(doc, indent=2) + "\n"
-    return FileArtifact(f"{context['model_name']}.encodings", text.encode())
+    return FileArtifact(f"{context['model_name']}.encodings", dumps_encodings(doc).encode())
 
 
 def check_numerics_float(inputs: tuple, samples: Any, context: Any) -> dict:
@@ -269,30 +295,38 @@ def build_qnn_pipeline(request: ExportRequest, fmt: str | None = None) -> Pipeli
                 "samples.values",
             ),
         ).depends_on(cap)
-    norm = p.register_stage(normalize, "normalize", reads=()).depends_on(source)
-    if opts.quantizer is not None:
-        qp = p.register_stage(qparams_from_program, "qparams", reads=())
+    quantized = opts.quantizer is not None
+    norm = p.register_stage(
+        normalize_quantized if quantized else normalize, "normalize", reads=()
+    ).depends_on(source)
+    qmap = p.register_stage(quant_map, "quant_map", reads=()).depends_on(norm)
+    if quantized:
+        qp = p.register_stage(qparams_from_program, "qparams", reads=()).depends_on(source, qmap)
     else:
         qp = p.register_stage(qparams_from_model, "qparams", reads=("input.state",))
-    qp.depends_on(source, norm)
+        qp.depends_on(qmap)
     graph = p.register_stage(marker_graph, "marker_graph", reads=()).depends_on(norm)
     onnx = p.register_stage(
         to_onnx, "to_onnx", reads=("ctx.opset", "ctx.input_names", "ctx.output_names")
     ).depends_on(graph)
     lower = p.register_stage(
         lower_onnx if fmt == "onnx" else lower_qdq, "lower_markers", reads=()
-    ).depends_on(onnx, norm)
-    if opts.quantizer is not None:
+    ).depends_on(onnx, qmap)
+    bind_values = qp
+    if fmt == "onnx":  # only weight scales reach the float graph (snapped weights)
+        bind_values = p.register_stage(weight_qparams, "weight_qparams", reads=())
+        bind_values.depends_on(qp, qmap)
+    if quantized:
         bound = p.register_stage(
             bind_program_weights, "bind", reads=("ctx.fake_quantize_weights",)
-        ).depends_on(lower, norm, qp, source)
+        ).depends_on(lower, qmap, bind_values, source)
     else:
         bound = p.register_stage(
             bind_model_weights, "bind", reads=("input.state", "ctx.fake_quantize_weights")
-        ).depends_on(lower, norm, qp)
+        ).depends_on(lower, qmap, bind_values)
     enc = p.register_stage(
         encodings, "encodings", reads=("ctx.encodings_version", "ctx.model_name")
-    ).depends_on(norm, qp, lower)
+    ).depends_on(qmap, qp, lower)
     p.products = [bound.name, enc.name]
     if opts.check_numerics:
         if opts.quantizer is not None:
