@@ -27,6 +27,11 @@ StageFn = Callable[[Any, Any, Any], Any]
 #: Facets of the pipeline input and samples that a stage can declare it reads.
 FACETS = ("input.structure", "input.state", "samples.spec", "samples.values")
 
+#: Access to the pipeline input without fingerprinting it: for a stage whose upstream
+#: outputs already cover what it reads (e.g. digests of the few tensors it uses).
+#: ``--check-fingerprints`` is how such a promise is tested.
+UNKEYED_INPUT = "input.object"
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -46,12 +51,12 @@ def _check_reads(name: str, reads: Iterable[str] | None) -> tuple[str, ...] | No
         reads = (reads,)
     out = tuple(dict.fromkeys(reads))
     for r in out:
-        if r in ("input", "samples") or (r.startswith("ctx.") and len(r) > 4):
+        if r in ("input", "samples", UNKEYED_INPUT) or (r.startswith("ctx.") and len(r) > 4):
             continue
         if r not in FACETS:
             raise PipelineError(
                 f"stage '{name}' declares unknown read '{r}'; use 'ctx.<key>', 'input', "
-                f"'samples' or one of: {', '.join(FACETS)}"
+                f"'samples', '{UNKEYED_INPUT}' or one of: {', '.join(FACETS)}"
             )
     return out
 

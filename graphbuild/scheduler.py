@@ -23,6 +23,7 @@ from .cache import Cache, CorruptEntry, stage_key
 from .errors import FingerprintMismatchError, GraphbuildError, StageError, UndeclaredReadError
 from .fingerprint import FACETS, InputFacets, Reading, callable_version, read_value
 from .hashing import digest_bytes
+from .pipeline import UNKEYED_INPUT
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline, Stage
@@ -314,7 +315,7 @@ class _Run:
         st = self.states[name]
         stage = self.pipeline._stage(name)
         st.code = stage.version if stage.version is not None else self._code_version(stage)
-        st.readings = {r: self.reading(r) for r in st.reads}
+        st.readings = {r: self.reading(r) for r in st.reads if r != UNKEYED_INPUT}
         st.upstream = [self.states[d].record.digest or "" for d in self.pipeline.dependencies(name)]
         if any(r.digest is None for r in st.readings.values()):
             return None

@@ -90,6 +90,15 @@ def test_scales_only_rerun_values_stages_not_tracing(warm):
     assert report.statuses["encodings"] == "ran"
 
 
+def test_activation_scales_only_leave_the_bound_float_model_clean(warm):
+    model, out, cache = warm
+    with torch.no_grad():
+        model.a2_scale.mul_(1.01)
+    report = build(model, out, cache)
+    assert hit(report, *STRUCTURE, "bind")  # weight_qparams reran: same weight scales
+    assert report.statuses["encodings"] == "ran"
+
+
 def test_weights_only_rerun_bind_not_tracing(warm):
     model, out, cache = warm
     with torch.no_grad():

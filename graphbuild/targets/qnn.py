@@ -22,7 +22,7 @@ import torch
 
 from ..artifacts import FileArtifact, roundtrip
 from ..errors import ConfigError
-from ..pipeline import Pipeline
+from ..pipeline import UNKEYED_INPUT, Pipeline
 from ..programs import ProgramArtifact, strip_state
 from ..quantmap import QuantMap, QuantValues
 from ..stages.capture import as_args, capture_program
@@ -178,11 +178,34 @@ def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
     return lowered, {str(q): n for q, n in sorted(names.items())}
 
 
+def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Digests of exactly the state tensors the lowered graph binds: bind keys on these
+    rather than on the whole state, so a changed quantizer buffer does not re-bind weights."""
+    from ..fingerprint import tensor_digest
+    from ..stages.lower import SOURCE_KEY
+    from ..stages.onnx_export import STATE_LOCATION
+
+    ((lowered, _),) = inputs
+    state = _model_state(context.input)
+    names = set()
+    for init in lowered.graph.initializer:
+        location = {e.key: e.value for e in init.external_data}.get("location")
+        if location == STATE_LOCATION:
+            meta = {p.key: p.value for p in init.metadata_props}
+            names.add(meta.get(SOURCE_KEY, init.name))
+    return {
+        n: f"{state[n].dtype}{list(state[n].shape)}:{tensor_digest(state[n])}"
+        for n in sorted(names)
+        if n in state
+    }
+
+
 def bind_model_weights(inputs: tuple, samples: Any, context: Any) -> Any:
-    """Put the model's current weights (and quantizer values) into the lowered skeleton."""
+    """Put the model's current weights (and quantizer values) into the lowered skeleton.
+    What it reads of the model is keyed through ``weight_digests``."""
     from ..stages.bind import bind
 
-    (lowered, _), (qmap, _), qvalues = inputs
+    (lowered, _), (qmap, _), qvalues, _digests = inputs
     return bind(
         lowered,
         _model_state(context.input),
@@ -321,9 +344,11 @@ def build_qnn_pipeline(request: ExportRequest, fmt: str | None = None) -> Pipeli
             bind_program_weights, "bind", reads=("ctx.fake_quantize_weights",)
         ).depends_on(lower, qmap, bind_values, source)
     else:
+        weights = p.register_stage(weight_digests, "weight_digests", reads=("input.state",))
+        weights.depends_on(lower)
         bound = p.register_stage(
-            bind_model_weights, "bind", reads=("input.state", "ctx.fake_quantize_weights")
-        ).depends_on(lower, qmap, bind_values)
+            bind_model_weights, "bind", reads=(UNKEYED_INPUT, "ctx.fake_quantize_weights")
+        ).depends_on(lower, qmap, bind_values, weights)
     enc = p.register_stage(
         encodings, "encodings", reads=("ctx.encodings_version", "ctx.model_name")
     ).depends_on(qmap, qp, lower)
