@@ -521,6 +521,9 @@ def test_save_model(conv_skeleton, tmp_path, external):
     got = run_ort(str(paths[0]), CONV_X)[0]
     np.testing.assert_array_equal(got, run_ort(materialize(bound), CONV_X)[0])
     saved = onnx.load(str(paths[0]), load_external_data=False)
+    if not external:  # streamed tensor by tensor, it loads as the in-memory model
+        assert saved == materialize(bound)
+        onnx.checker.check_model(str(paths[0]), full_check=True)
     ext = [i for i in saved.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
     assert len(ext) == (len(bound.tensors) if external else 0)
     assert all(
