@@ -239,35 +239,33 @@ class Cache:
         self.blobs.copy_to(digest, dest, size)
 
     def last_run(self, pipeline: str, stage: str) -> dict[str, Any] | None:
-        if self._index is None:
-            return None
-        try:
-            return self._index.get_json(f"{_LAST}{pipeline}:{stage}")
-        except Exception:  # a damaged record only costs the explanation
-            return None
+        """What a stage read the last time it ran for ``pipeline`` (for ``explain``)."""
+        return self._record(f"{_LAST}{pipeline}:{stage}")
 
     def record_run(self, pipeline: str, stage: str, record: dict[str, Any]) -> None:
-        if not self._writable or self._index is None:
-            return
-        try:
-            self._index.set_json(f"{_LAST}{pipeline}:{stage}", record)
-        except (OSError, sqlite3.Error) as err:
-            self._write_failed(err)
+        self._set_record(f"{_LAST}{pipeline}:{stage}", record)
 
     def placement(self, key: str) -> dict[str, Any] | None:
         """The stamp of what an export last placed in an output directory."""
+        return self._record(f"{_PLACED}{key}")
+
+    def record_placement(self, key: str, stamp: dict[str, Any]) -> None:
+        self._set_record(f"{_PLACED}{key}", stamp)
+
+    def _record(self, key: str) -> dict[str, Any] | None:
+        """A side record (explain, placement); a damaged one only costs what it saves."""
         if self._index is None:
             return None
         try:
-            return self._index.get_json(f"{_PLACED}{key}")
-        except Exception:  # a damaged stamp only costs a re-placement
+            return self._index.get_json(key)
+        except Exception:
             return None
 
-    def record_placement(self, key: str, stamp: dict[str, Any]) -> None:
+    def _set_record(self, key: str, value: dict[str, Any]) -> None:
         if not self._writable or self._index is None:
             return
         try:
-            self._index.set_json(f"{_PLACED}{key}", stamp)
+            self._index.set_json(key, value)
         except (OSError, sqlite3.Error) as err:
             self._write_failed(err)
 
