@@ -33,6 +33,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from graphbuild.errors import ExportError
+from graphbuild.naming import fresh_name
 from graphbuild.quantmap import QuantMap, QuantSpec, QuantValues
 
 __all__ = [
@@ -566,12 +567,7 @@ class _FakeQuantEditor:
 
     def fresh(self, base: str) -> str:
         """A name not yet used in the graph, based on ``base``."""
-        name, i = base, 0
-        while name in self.used:
-            i += 1
-            name = f"{base}_{i}"
-        self.used.add(name)
-        return name
+        return fresh_name(base, self.used)
 
     def add(self, enc: TensorEncoding) -> None:
         """Plan the chain for ``enc``'s tensor and the rewiring of its readers."""

@@ -33,6 +33,7 @@ import onnx_ir as ir
 
 from graphbuild.errors import ExportError
 from graphbuild.markers import MARKER_DOMAIN, MARKER_OP
+from graphbuild.naming import fresh_name
 from graphbuild.quantmap import QuantMap, QuantSpec
 from graphbuild.stages.onnx_export import STATE_LOCATION
 
@@ -156,12 +157,7 @@ class _Namer:
         self.taken.discard(None)
 
     def fresh(self, base: str) -> str:
-        name, i = base, 0
-        while name in self.taken:
-            i += 1
-            name = f"{base}_{i}"
-        self.taken.add(name)
-        return name
+        return fresh_name(base, self.taken)
 
 
 @dataclass
