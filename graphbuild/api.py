@@ -120,11 +120,12 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
     listeners = list(request.listeners)
     if request.verbose:
         listeners.append(_print_event)
+    context = request.context()
     t0 = time.perf_counter()
     result = pipeline.run(
         request.model,
         request.data,
-        context=request.context(),
+        context=context,
         cache=cache,
         force=request.force,
         listeners=listeners,
@@ -135,7 +136,7 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
     placement = Placement(
         out_dir,
         request.model_name,
-        request.context().get("external_data"),
+        context.get("external_data"),
         {
             "target": request.target,
             "format": request.format,

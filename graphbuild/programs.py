@@ -23,7 +23,6 @@ from torch.export.graph_signature import InputKind
 from . import markers  # noqa: F401  - registers graphbuild::q for deserialization
 from .artifacts import Codec, Encoded, Part, TensorDictCodec, register_codec
 from .errors import CodecError
-from .hashing import digest_json
 
 __all__ = [
     "ProgramArtifact",
@@ -200,11 +199,6 @@ def _tensor_constants(constants: Mapping[str, Any]) -> dict[str, torch.Tensor]:
             )
         out[name] = value
     return out
-
-
-def program_digest(program: ExportedProgram) -> str:
-    """A digest of the graph and signature alone, for messages and checks."""
-    return digest_json([str(program.graph), str(program.graph_signature)])
 
 
 register_codec(ProgramCodec())

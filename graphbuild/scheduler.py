@@ -262,6 +262,8 @@ class _State:
     has_value: bool = False
     code: str = ""
     upstream: list[str] = field(default_factory=list)
+    last: dict[str, Any] | None = None  # the explain record of its previous run, once read
+    last_read: bool = False
 
 
 class _Run:
@@ -532,9 +534,10 @@ class _Run:
 
     def _last(self, name: str) -> dict[str, Any] | None:
         st = self.states[name]
-        if "last" not in st.__dict__:
-            st.__dict__["last"] = self.cache.last_run(self.run_id, name) if self.cache else None
-        return st.__dict__["last"]
+        if not st.last_read:
+            st.last = self.cache.last_run(self.run_id, name) if self.cache else None
+            st.last_read = True
+        return st.last
 
     def _why(self, name: str, key: str | None, reason: str | None) -> tuple[str, list[Change]]:
         if reason:

@@ -70,21 +70,6 @@ class BlobStore:
             raise CorruptBlob(digest, "does not match its digest")
         return data
 
-    def copy_to(self, digest: str, dest: Path | str, size: int | None = None) -> None:
-        """Copy a blob to ``dest``, verifying the digest while copying."""
-        h = Hasher()
-        n = 0
-        try:
-            with open(self.path(digest), "rb") as src, open(dest, "wb") as out:
-                while chunk := src.read(_CHUNK):
-                    h.update(chunk)
-                    out.write(chunk)
-                    n += len(chunk)
-        except FileNotFoundError as err:
-            raise CorruptBlob(digest, "is missing") from err
-        if (size is not None and n != size) or h.hexdigest() != digest:
-            raise CorruptBlob(digest, "does not match its digest")
-
     def verify(self, digest: str) -> bool:
         h = Hasher()
         try:

@@ -234,10 +234,6 @@ class Cache:
             return False
         return True
 
-    def copy_blob(self, digest: str, size: int, dest: Path) -> None:
-        """Copy one verified blob to ``dest`` (raises CorruptBlob)."""
-        self.blobs.copy_to(digest, dest, size)
-
     def last_run(self, pipeline: str, stage: str) -> dict[str, Any] | None:
         """What a stage read the last time it ran for ``pipeline`` (for ``explain``)."""
         return self._record(f"{_LAST}{pipeline}:{stage}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,8 +63,8 @@ class QnnOnnxOptions:
             raise ConfigError(f"opset must be an integer from 13 to 23, not {self.opset!r}")
 
     def to_context(self) -> dict[str, Any]:
-        ctx = asdict(self)
-        ctx["quantizer"] = self.quantizer  # keep the object, not a dict copy
+        # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
+        ctx = {f.name: getattr(self, f.name) for f in fields(self)}
         ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
         for key in ("input_names", "output_names"):
             if ctx[key] is not None:
