@@ -19,7 +19,7 @@ import torch
 import xxhash
 from torch import nn
 
-from graphbuild.fingerprint import state_digests
+from graphbuild.engine.fingerprint import state_digests
 
 GIB = 1 << 30
 

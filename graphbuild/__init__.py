@@ -5,8 +5,9 @@ Exports are builds: a DAG of stages, each keyed by what it reads, run only when 
 
 from __future__ import annotations
 
-from .cache import Cache
-from .errors import (
+from graphbuild.cache import Cache
+from graphbuild.engine.pipeline import Pipeline, Stage, StageRef
+from graphbuild.errors import (
     ConfigError,
     ExportError,
     GraphbuildError,
@@ -14,7 +15,6 @@ from .errors import (
     UndeclaredReadError,
     UnknownQuantizerError,
 )
-from .pipeline import Pipeline, Stage, StageRef
 
 __version__ = "0.1.0"
 
@@ -42,9 +42,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "EventKind": "scheduler",
-    "RunReport": "scheduler",
-    "StageEvent": "scheduler",
+    "EventKind": "engine.scheduler",
+    "RunReport": "engine.scheduler",
+    "StageEvent": "engine.scheduler",
     "ExportArtifacts": "api",
     "ExportRequest": "api",
     "export": "api",

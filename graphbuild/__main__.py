@@ -1,6 +1,6 @@
 """``python -m graphbuild``: the command line."""
 
-from .cli import main
+from graphbuild.cli.app import main
 
 if __name__ == "__main__":
     main()

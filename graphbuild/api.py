@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from .cache import Cache
-from .errors import ConfigError, ExportError
-from .pipeline import Pipeline
-from .scheduler import RunReport, StageEvent, plan_status
-from .stages.outputs import LOCK_FILE, Placement, place_outputs
-from .targets.qnn import QnnOnnxOptions
-from .targets.registry import PipelineFactory, PipelineRegistry, build_default_registry
+from graphbuild.cache import Cache
+from graphbuild.engine.pipeline import Pipeline
+from graphbuild.engine.scheduler import RunReport, StageEvent, plan_status
+from graphbuild.errors import ConfigError, ExportError
+from graphbuild.output.placement import LOCK_FILE, Placement, place_outputs
+from graphbuild.targets.qnn import QnnOnnxOptions
+from graphbuild.targets.registry import PipelineFactory, PipelineRegistry, build_default_registry
 
 __all__ = ["ExportRequest", "ExportArtifacts", "export", "export_with_pipeline", "LOCK_FILE"]
 

@@ -32,7 +32,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from .errors import ConfigError
+from graphbuild.errors import ConfigError
 
 __all__ = [
     "CONFIG_FILE",
@@ -45,7 +45,7 @@ __all__ = [
 CONFIG_FILE = "graphbuild.toml"
 PYPROJECT = "pyproject.toml"
 DEFAULT_OUTPUT_DIR = "graphbuild-out"
-# The presets of graphbuild.quant.preset, known here so that a warm export need not import
+# The presets of graphbuild.targets.qnn.preset, known here so that a warm export need not import
 # torchao; any other name is checked against that module.
 PRESET_NAMES = ("w8a8", "w8a16", "w4a16")
 
@@ -323,7 +323,7 @@ class Config:
         if self.preset is not None:
             if self.preset in PRESET_NAMES:  # skip importing torchao (2 s) on a warm run
                 return self.preset
-            from .quant.preset import PRESETS
+            from graphbuild.targets.qnn.preset import PRESETS
 
             if self.preset not in PRESETS:
                 raise ConfigError(
@@ -355,7 +355,7 @@ class Config:
         quantizer = self.quantizer_object()
         if self.target != "qnn":
             return {**options, "quantizer": quantizer, "calibration": calibration}
-        from .targets.qnn import QnnOnnxOptions
+        from graphbuild.targets.qnn import QnnOnnxOptions
 
         try:
             return QnnOnnxOptions(**options, quantizer=quantizer, calibration=calibration)

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphbuild.artifacts import Codec, Encoded, Part, register_codec
-from graphbuild.scheduler import EventKind, StageEvent
+from graphbuild.engine.codecs import Codec, Encoded, Part, register_codec
+from graphbuild.engine.scheduler import EventKind, StageEvent
 
 CALLS: list[str] = []
 DECODES: list[str] = []

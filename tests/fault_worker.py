@@ -31,7 +31,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     os.replace = replace_then_maybe_die
-    from graphbuild.cli import main as graphbuild_main
+    from graphbuild.cli.app import main as graphbuild_main
 
     sys.argv = ["graphbuild", *args]
     graphbuild_main()

@@ -17,11 +17,11 @@ import torch
 from onnx import TensorProto, helper
 
 from graphbuild.errors import ExportError
-from graphbuild.quantmap import QParams, QuantSpec
-from graphbuild.stages import bind as bind_module
-from graphbuild.stages.bind import BoundModel, fake_quantize, materialize, save_model
-from graphbuild.stages.lower import QPARAMS_LOCATION
-from graphbuild.stages.onnx_export import STATE_LOCATION
+from graphbuild.frontend.quantmap import QParams, QuantSpec
+from graphbuild.onnx import bind as bind_module
+from graphbuild.onnx.bind import BoundModel, fake_quantize, materialize, save_model
+from graphbuild.onnx.lower import QPARAMS_LOCATION
+from graphbuild.onnx.skeleton import STATE_LOCATION
 
 # -- fake_quantize: bit-exact with torch.fake_quantize_per_{tensor,channel}_affine -----------
 
@@ -382,8 +382,8 @@ _PEAK_SCRIPT = textwrap.dedent(
     import resource, sys
     import numpy as np
     from onnx import TensorProto, helper
-    from graphbuild.stages.bind import BoundModel, save_model
-    from graphbuild.stages.onnx_export import STATE_LOCATION
+    from graphbuild.onnx.bind import BoundModel, save_model
+    from graphbuild.onnx.skeleton import STATE_LOCATION
 
     inits, tensors, n = [], {}, 1024
     for i in range(32):  # 128 MiB of float32

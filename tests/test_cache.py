@@ -20,8 +20,8 @@ from torch import nn
 import graphbuild.cache.store as store_module
 from graphbuild.cache import BlobStore, Cache
 from graphbuild.cache.index import ActionIndex
-from graphbuild.hashing import digest_bytes
-from graphbuild.pipeline import Pipeline
+from graphbuild.engine.hashing import digest_bytes
+from graphbuild.engine.pipeline import Pipeline
 from tests.engine_helpers import CALLS, reset, stage
 
 
@@ -216,7 +216,7 @@ import torch
 from torch import nn
 
 from graphbuild.cache import Cache
-from graphbuild.pipeline import Pipeline
+from graphbuild.engine.pipeline import Pipeline
 
 
 def weights(m, samples, ctx):

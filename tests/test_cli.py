@@ -23,9 +23,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from graphbuild.cli import Progress, app, human_size, parse_age, parse_size
+from graphbuild.cli.app import Progress, app, human_size, parse_age, parse_size
+from graphbuild.engine.scheduler import EventKind, RunReport, StageEvent, StageRecord
 from graphbuild.errors import ExportError
-from graphbuild.scheduler import EventKind, RunReport, StageEvent, StageRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVNET = ROOT / "examples" / "convnet.py"
@@ -413,7 +413,7 @@ def test_cache_prune_reports_in_human_sizes(cache_copy):
 
 def test_cache_gc_removes_unreferenced_blobs_only(cache_copy):
     from graphbuild.cache import Cache
-    from graphbuild.hashing import digest_bytes
+    from graphbuild.engine.hashing import digest_bytes
 
     cache = Cache(cache_copy)
     data = b"orphan" * 1000
@@ -594,6 +594,6 @@ def test_python_m_graphbuild_factory_error_is_exit_2_without_traceback(tmp_path)
 
 def test_cli_needs_no_click_package():
     """typer 0.29 vendors click: a plain `pip install graphbuild` has no click package."""
-    code = "import sys; sys.modules['click'] = None; import graphbuild.cli; print('ok')"
+    code = "import sys; sys.modules['click'] = None; import graphbuild.cli.app; print('ok')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

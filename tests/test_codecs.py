@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphbuild.artifacts import FileArtifact, encode
 from graphbuild.cache import Cache
+from graphbuild.engine.codecs import FileArtifact, encode
+from graphbuild.engine.pipeline import Pipeline
+from graphbuild.engine.scheduler import EventKind
 from graphbuild.errors import CodecError, StageError
-from graphbuild.pipeline import Pipeline
-from graphbuild.scheduler import EventKind
 from tests.engine_helpers import Recorder
 
 

@@ -12,8 +12,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from graphbuild.errors import ExportError
-from graphbuild.quantmap import QParams, QuantMap, QuantSpec, QuantValues
-from graphbuild.stages.encodings import (
+from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues
+from graphbuild.targets.qnn.encodings import (
     VERSIONS,
     build_encodings,
     insert_fake_quant,
@@ -466,7 +466,7 @@ def test_encoding_a_tensor_the_model_lacks_is_an_export_error():
 
 @pytest.mark.parametrize("version", ["1.0.0", "0.6.1", "2.0.0"])
 def test_written_text_parses_back_to_the_document_one_entry_per_line(version):
-    from graphbuild.stages.encodings import dumps_encodings
+    from graphbuild.targets.qnn.encodings import dumps_encodings
 
     qmap = QuantMap(
         (

@@ -12,7 +12,7 @@ import torch
 
 import graphbuild as gb
 from examples import convnet, tiny_decoder
-from graphbuild.stages.encodings import read_encodings
+from graphbuild.targets.qnn.encodings import read_encodings
 from tests.models import FakeQuantConvNet, LearnableFakeQuantNet
 
 SAMPLE = (torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(5)),)
@@ -127,7 +127,7 @@ def test_learnable_fake_quant_model_exports(tmp_path, cache):
 def test_pt2e_converted_graph_exports_without_quantize_stage(tmp_path, cache):
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    from graphbuild.quant.preset import QnnQuantizer
+    from graphbuild.targets.qnn.preset import QnnQuantizer
 
     model, samples = convnet.build()
     gm = torch.export.export(model, samples).module()

@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from graphbuild.cli import app
+from graphbuild.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVNET = ROOT / "examples" / "convnet.py"

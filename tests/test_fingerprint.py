@@ -12,16 +12,16 @@ import torch
 import xxhash
 from torch import nn
 
-import graphbuild.fingerprint as fp
+import graphbuild.engine.fingerprint as fp
 from graphbuild.cache import Cache
-from graphbuild.errors import FingerprintError
-from graphbuild.fingerprint import (
+from graphbuild.engine.fingerprint import (
     callable_version,
     state_digests,
     structure_fingerprint,
     tensor_digest,
 )
-from graphbuild.pipeline import Pipeline
+from graphbuild.engine.pipeline import Pipeline
+from graphbuild.errors import FingerprintError
 from tests.engine_helpers import CALLS, reset, stage, tiny_net
 
 

@@ -11,9 +11,8 @@ from torch import nn
 from torch.export import ExportedProgram
 
 from graphbuild.errors import UnknownQuantizerError
-from graphbuild.markers import MARKER_TARGET, is_marker
-from graphbuild.quantmap import QuantMap, ValueRef
-from graphbuild.stages.normalize import (
+from graphbuild.frontend.markers import MARKER_TARGET, is_marker
+from graphbuild.frontend.normalize import (
     Match,
     collect_qvalues,
     looks_like_quantizer,
@@ -23,6 +22,7 @@ from graphbuild.stages.normalize import (
     unregister_recognizer,
     value_ref,
 )
+from graphbuild.frontend.quantmap import QuantMap, ValueRef
 
 qd = torch.ops.quantized_decomposed
 

@@ -21,13 +21,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import graphbuild.markers  # noqa: F401  - registers torch.ops.graphbuild.q
+import graphbuild.frontend.markers  # noqa: F401  - registers torch.ops.graphbuild.q
 from graphbuild.errors import ExportError, SkeletonValueError
-from graphbuild.quantmap import QParams, QuantMap, QuantSpec, QuantValues
-from graphbuild.stages import onnx_export
-from graphbuild.stages.bind import BoundModel, bind, materialize, save_model
-from graphbuild.stages.lower import QID_KEY, QPARAMS_LOCATION, ROLE_KEY, lower_markers
-from graphbuild.stages.onnx_export import STATE_LOCATION, export_skeleton
+from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues
+from graphbuild.onnx import skeleton as onnx_export
+from graphbuild.onnx.bind import BoundModel, bind, materialize, save_model
+from graphbuild.onnx.lower import QID_KEY, QPARAMS_LOCATION, ROLE_KEY, lower_markers
+from graphbuild.onnx.skeleton import STATE_LOCATION, export_skeleton
 
 
 def marker(t: torch.Tensor, qid: int) -> torch.Tensor:
@@ -237,8 +237,8 @@ def test_skeleton_ignores_state_values_and_is_deterministic(conv_skeleton):
 _DETERMINISM_SCRIPT = textwrap.dedent(
     """
     import hashlib, torch, torch.nn as nn, torch.nn.functional as F
-    import graphbuild.markers
-    from graphbuild.stages.onnx_export import export_skeleton
+    import graphbuild.frontend.markers
+    from graphbuild.onnx.skeleton import export_skeleton
 
     class Net(nn.Module):
         def __init__(self):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphbuild.engine.pipeline import Pipeline
 from graphbuild.errors import PipelineError, StageError
-from graphbuild.pipeline import Pipeline
 from tests.engine_helpers import CALLS, reset, stage, tiny_net
 
 

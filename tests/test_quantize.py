@@ -17,8 +17,8 @@ from torchao.quantization.pt2e.quantizer import (
 )
 
 from graphbuild.errors import ConfigError, ExportError
-from graphbuild.quant.preset import PRESETS, QnnQuantizer
-from graphbuild.stages.quantize import quantize_program
+from graphbuild.frontend.quantize import quantize_program
+from graphbuild.targets.qnn.preset import PRESETS, QnnQuantizer
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed

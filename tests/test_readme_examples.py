@@ -8,7 +8,7 @@ import onnx
 
 import graphbuild as gb
 from examples import convnet
-from graphbuild.stages.bind import BoundModel
+from graphbuild.onnx.bind import BoundModel
 from graphbuild.targets.qnn import build_qnn_pipeline
 
 

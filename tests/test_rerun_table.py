@@ -9,7 +9,7 @@ import torch
 
 import graphbuild as gb
 from examples import convnet
-from graphbuild.scheduler import EventKind
+from graphbuild.engine.scheduler import EventKind
 from tests.models import BatchNormTrap, FakeQuantConvNet
 
 SAMPLE = (torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(3)),)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from graphbuild.cache import BlobStore, Cache
+from graphbuild.engine.pipeline import Pipeline
+from graphbuild.engine.scheduler import EventKind
 from graphbuild.errors import StageError, UndeclaredReadError
-from graphbuild.pipeline import Pipeline
-from graphbuild.scheduler import EventKind
 from tests.engine_helpers import CALLS, DECODES, Box, Recorder, reset, stage, tiny_net
 
 SAMPLES = (torch.zeros(1, 3, 8, 8),)

@@ -1,8 +1,14 @@
 """Action cache (key -> manifest) and content-addressed blob store."""
 
-from .blobs import BlobStore, CorruptBlob
-from .key import stage_key
-from .store import Cache, CacheEntry, CacheStats, CorruptEntry, MaintenanceReport, default_cache_dir
+from graphbuild.cache.blobs import BlobStore, CorruptBlob
+from graphbuild.cache.store import (
+    Cache,
+    CacheEntry,
+    CacheStats,
+    CorruptEntry,
+    MaintenanceReport,
+    default_cache_dir,
+)
 
 __all__ = [
     "BlobStore",
@@ -13,5 +19,4 @@ __all__ = [
     "CorruptEntry",
     "MaintenanceReport",
     "default_cache_dir",
-    "stage_key",
 ]

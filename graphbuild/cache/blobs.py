@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..hashing import Hasher, digest_bytes
+from graphbuild.engine.hashing import Hasher, digest_bytes
 
 _CHUNK = 8 << 20
 

@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import Encoded, blob_digests, decode
-from ..errors import CacheError
-from .blobs import BlobStore, CorruptBlob
-from .index import ActionIndex
+from graphbuild.cache.blobs import BlobStore, CorruptBlob
+from graphbuild.cache.index import ActionIndex
+from graphbuild.engine.codecs import Encoded, blob_digests, decode
+from graphbuild.errors import CacheError
 
 _MANIFEST = "m:"
 _LAST = "last:"

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..errors import ExportError
+from graphbuild.errors import ExportError
 
 if TYPE_CHECKING:
-    from ..api import ExportRequest
-    from ..pipeline import Pipeline
+    from graphbuild.api import ExportRequest
+    from graphbuild.engine.pipeline import Pipeline
 
 PipelineFactory = Callable[["ExportRequest"], "Pipeline"]
 
@@ -49,7 +49,7 @@ class PipelineRegistry:
 
 def build_default_registry() -> PipelineRegistry:
     """A registry with graphbuild's built-in pipelines: ``qnn/onnx`` and ``qnn/onnx_qdq``."""
-    from .qnn import build_qnn_pipeline
+    from graphbuild.targets.qnn import build_qnn_pipeline
 
     registry = PipelineRegistry()
     for fmt in ("onnx", "onnx_qdq"):

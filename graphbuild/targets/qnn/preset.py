@@ -22,6 +22,7 @@ from torchao.quantization.pt2e.quantizer import (
 )
 
 from graphbuild.errors import ConfigError
+from graphbuild.frontend.quantize import register_preset, resolve_attr
 
 __all__ = ["PRESETS", "QnnQuantizer", "activation_spec", "weight_spec"]
 
@@ -82,16 +83,6 @@ def activation_spec(bits: int) -> QuantizationSpec:
 
 # ---------------------------------------------------------------------------------------------
 # Graph helpers
-
-
-def resolve_attr(model: torch.nn.Module, target: str) -> object:
-    """The object a dotted attribute path (a get_attr target) names, or None."""
-    obj: object = model
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 def _value(model: GraphModule, arg: object) -> object:
@@ -245,3 +236,7 @@ _HANDLERS: dict[object, _Handler] = {
     ),
     aten.scaled_dot_product_attention: QnnQuantizer._attention,
 }
+
+
+for _name in PRESETS:
+    register_preset(_name, lambda _name=_name: QnnQuantizer(_name))

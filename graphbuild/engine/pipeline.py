@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from .errors import PipelineError
+from graphbuild.errors import PipelineError
 
 if TYPE_CHECKING:
-    from .cache import Cache
-    from .scheduler import RunResult
+    from graphbuild.cache import Cache
+    from graphbuild.engine.scheduler import RunResult
 
 StageFn = Callable[[Any, Any, Any], Any]
 
@@ -298,7 +298,7 @@ class Pipeline:
     ) -> RunResult:
         """Build: run the dirty stages, take the rest from ``cache`` (None: no cache).
         ``check`` names stages to recompute on a hit and compare (the fingerprints' test)."""
-        from .scheduler import run_pipeline
+        from graphbuild.engine.scheduler import run_pipeline
 
         return run_pipeline(
             self,

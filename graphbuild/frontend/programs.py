@@ -20,9 +20,9 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from . import markers  # noqa: F401  - registers graphbuild::q for deserialization
-from .artifacts import Codec, Encoded, Part, TensorDictCodec, register_codec
-from .errors import CodecError
+from graphbuild.engine.codecs import Codec, Encoded, Part, TensorDictCodec, register_codec
+from graphbuild.errors import CodecError
+from graphbuild.frontend import markers  # noqa: F401  - registers graphbuild::q for deserialization
 
 __all__ = [
     "ProgramArtifact",

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .artifacts import Codec, Encoded, Part, register_codec
-from .stages.bind import BoundModel
+from graphbuild.engine.codecs import Codec, Encoded, Part, register_codec
+from graphbuild.onnx.bind import BoundModel
 
 
 class OnnxCodec(Codec):

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..artifacts import FileArtifact, roundtrip
-from ..errors import ConfigError
-from ..pipeline import UNKEYED_INPUT, Pipeline
-from ..programs import ProgramArtifact, strip_state
-from ..quantmap import QuantMap, QuantValues
-from ..stages.capture import as_args, capture_program
+from graphbuild.engine.codecs import FileArtifact, roundtrip
+from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
+from graphbuild.errors import ConfigError
+from graphbuild.frontend.capture import as_args, capture_program
+from graphbuild.frontend.programs import ProgramArtifact, strip_state
+from graphbuild.frontend.quantmap import QuantMap, QuantValues
 
 if TYPE_CHECKING:
-    from ..api import ExportRequest
+    from graphbuild.api import ExportRequest
 
 FORMATS = ("onnx", "onnx_qdq")
 ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
@@ -80,7 +80,7 @@ def capture(model: torch.nn.Module, samples: Any, context: Any) -> ProgramArtifa
 
 
 def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
-    from ..stages.quantize import quantize_program
+    from graphbuild.frontend.quantize import quantize_program
 
     (captured,) = inputs
     state = _model_state(context.input)
@@ -94,7 +94,7 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
 def normalize(inputs: tuple, samples: Any, context: Any) -> tuple:
     """Markers in place of quantizers: (marker graph, quant map, values written into the
     graph itself: literal and constant scales of a pre-quantized model)."""
-    from ..stages.normalize import fixed_values, normalize_program
+    from graphbuild.frontend.normalize import fixed_values, normalize_program
 
     (program,) = inputs
     marker, qmap = normalize_program(program.program)
@@ -104,7 +104,7 @@ def normalize(inputs: tuple, samples: Any, context: Any) -> tuple:
 
 def normalize_quantized(inputs: tuple, samples: Any, context: Any) -> tuple:
     """normalize for a PT2E program: its values are calibrated, qparams reads them there."""
-    from ..stages.normalize import normalize_program
+    from graphbuild.frontend.normalize import normalize_program
 
     (program,) = inputs
     marker, qmap = normalize_program(program.program)
@@ -127,7 +127,7 @@ def quant_map(inputs: tuple, samples: Any, context: Any) -> tuple:
 
 def qparams_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
     """Scales and zero points of a pre-quantized model (its fake-quant state)."""
-    from ..stages.normalize import qvalues_from
+    from graphbuild.frontend.normalize import qvalues_from
 
     ((qmap, fixed),) = inputs
     values = qvalues_from(QuantMap.from_json(qmap), fixed, _model_state(context.input))
@@ -136,7 +136,7 @@ def qparams_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
 
 def qparams_from_program(inputs: tuple, samples: Any, context: Any) -> dict:
     """Scales and zero points calibrated by the quantize stage."""
-    from ..stages.normalize import collect_qvalues
+    from graphbuild.frontend.normalize import collect_qvalues
 
     program, (qmap, _) = inputs
     return collect_qvalues(program.program, QuantMap.from_json(qmap)).to_tensors()
@@ -151,7 +151,7 @@ def weight_qparams(inputs: tuple, samples: Any, context: Any) -> dict:
 
 
 def to_onnx(inputs: tuple, samples: Any, context: Any) -> Any:
-    from ..stages.onnx_export import export_skeleton
+    from graphbuild.onnx.skeleton import export_skeleton
 
     (marker,) = inputs
     return export_skeleton(
@@ -163,7 +163,7 @@ def to_onnx(inputs: tuple, samples: Any, context: Any) -> Any:
 
 
 def lower_onnx(inputs: tuple, samples: Any, context: Any) -> tuple:
-    from ..stages.lower import lower_markers
+    from graphbuild.onnx.lower import lower_markers
 
     skeleton, (qmap, _) = inputs
     lowered, names = lower_markers(skeleton, QuantMap.from_json(qmap), "onnx")
@@ -171,7 +171,7 @@ def lower_onnx(inputs: tuple, samples: Any, context: Any) -> tuple:
 
 
 def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
-    from ..stages.lower import lower_markers
+    from graphbuild.onnx.lower import lower_markers
 
     skeleton, (qmap, _) = inputs
     lowered, names = lower_markers(skeleton, QuantMap.from_json(qmap), "onnx_qdq")
@@ -181,9 +181,9 @@ def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
 def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
     """Digests of exactly the state tensors the lowered graph binds: bind keys on these
     rather than on the whole state, so a changed quantizer buffer does not re-bind weights."""
-    from ..fingerprint import tensor_digest
-    from ..stages.lower import SOURCE_KEY
-    from ..stages.onnx_export import STATE_LOCATION
+    from graphbuild.engine.fingerprint import tensor_digest
+    from graphbuild.onnx.lower import SOURCE_KEY
+    from graphbuild.onnx.skeleton import STATE_LOCATION
 
     ((lowered, _),) = inputs
     state = _model_state(context.input)
@@ -203,7 +203,7 @@ def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
 def bind_model_weights(inputs: tuple, samples: Any, context: Any) -> Any:
     """Put the model's current weights (and quantizer values) into the lowered skeleton.
     What it reads of the model is keyed through ``weight_digests``."""
-    from ..stages.bind import bind
+    from graphbuild.onnx.bind import bind
 
     (lowered, _), (qmap, _), qvalues, _digests = inputs
     return bind(
@@ -217,7 +217,7 @@ def bind_model_weights(inputs: tuple, samples: Any, context: Any) -> Any:
 
 def bind_program_weights(inputs: tuple, samples: Any, context: Any) -> Any:
     """Put the quantize stage's weights (BatchNorm folded by PT2E) into the skeleton."""
-    from ..stages.bind import bind
+    from graphbuild.onnx.bind import bind
 
     (lowered, _), (qmap, _), qvalues, program = inputs
     state = dict(program.program.state_dict)
@@ -232,7 +232,7 @@ def bind_program_weights(inputs: tuple, samples: Any, context: Any) -> Any:
 
 
 def encodings(inputs: tuple, samples: Any, context: Any) -> FileArtifact:
-    from ..stages.encodings import build_encodings, dumps_encodings
+    from graphbuild.targets.qnn.encodings import build_encodings, dumps_encodings
 
     (qmap, _), qvalues, (_, names) = inputs
     doc = build_encodings(
@@ -247,7 +247,7 @@ def encodings(inputs: tuple, samples: Any, context: Any) -> FileArtifact:
 def check_numerics_float(inputs: tuple, samples: Any, context: Any) -> dict:
     """``onnx``: put Q/DQ back from the ``.encodings`` file alone, run it in onnxruntime on
     the sample inputs, and compare with the quantized torch model."""
-    from ..stages.numerics import compare_outputs
+    from graphbuild.targets.qnn.numerics import compare_outputs
 
     bound, enc_file, reference = inputs
     doc = json.loads(enc_file.data)
@@ -256,7 +256,7 @@ def check_numerics_float(inputs: tuple, samples: Any, context: Any) -> dict:
 
 def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
     """``onnx_qdq``: run the Q/DQ model as written and compare with the torch model."""
-    from ..stages.numerics import compare_outputs
+    from graphbuild.targets.qnn.numerics import compare_outputs
 
     bound, enc_file, reference = inputs
     doc = json.loads(enc_file.data)

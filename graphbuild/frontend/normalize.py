@@ -33,8 +33,8 @@ from torch.export.graph_signature import (
 from torch.fx import Graph, Node
 
 from graphbuild.errors import ExportError, UnknownQuantizerError
-from graphbuild.markers import MARKER_TARGET, is_marker
-from graphbuild.quantmap import QParams, QuantMap, QuantSpec, QuantValues, ValueRef
+from graphbuild.frontend.markers import MARKER_TARGET, is_marker
+from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues, ValueRef
 
 __all__ = [
     "CachemaskRecognizer",
@@ -493,7 +493,7 @@ def _unknown(node: Node, where: str = "") -> UnknownQuantizerError:
         f"{where}. The built-in ones need scale, zero point and grid to be literals,"
         " parameters, buffers or constants, and every user of a quantize to be a dequantize"
         " with the same arguments." + hint + " To support another form, register a recogniser:"
-        " graphbuild.stages.normalize.register_recognizer(r), r.match(node, program) returning"
+        " graphbuild.frontend.normalize.register_recognizer(r), r.match(node, program) returning"
         " a Match."
     )
 

@@ -5,7 +5,7 @@
 * ``onnx_qdq``: each marker becomes QuantizeLinear -> DequantizeLinear.
 
 Value-independent only: scales, zero points and clip bounds are data-less initializers
-(external location :data:`QPARAMS_LOCATION`) that :func:`graphbuild.stages.bind.bind` fills.
+(external location :data:`QPARAMS_LOCATION`) that :func:`graphbuild.onnx.bind.bind` fills.
 Each such initializer records what it holds in its TensorProto ``metadata_props``:
 :data:`QID_KEY` (the quantizer), :data:`ROLE_KEY` (one of :data:`ROLES`) and, for role
 ``quantized``, :data:`SOURCE_KEY` (the state tensor to quantize). Metadata props survive
@@ -32,10 +32,10 @@ import onnx
 import onnx_ir as ir
 
 from graphbuild.errors import ExportError
-from graphbuild.markers import MARKER_DOMAIN, MARKER_OP
-from graphbuild.naming import fresh_name
-from graphbuild.quantmap import QuantMap, QuantSpec
-from graphbuild.stages.onnx_export import STATE_LOCATION
+from graphbuild.frontend.markers import MARKER_DOMAIN, MARKER_OP
+from graphbuild.frontend.quantmap import QuantMap, QuantSpec
+from graphbuild.onnx.naming import fresh_name
+from graphbuild.onnx.skeleton import STATE_LOCATION
 
 FORMATS = ("onnx", "onnx_qdq")
 QPARAMS_LOCATION = "graphbuild:qparams"

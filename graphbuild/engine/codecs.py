@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CodecError
-from .hashing import canonical_json, digest_bytes, digest_json
+from graphbuild.engine.hashing import canonical_json, digest_bytes, digest_json
+from graphbuild.errors import CodecError
 
 if TYPE_CHECKING:
     import torch
@@ -132,9 +132,9 @@ def register_codec(codec: Codec, *, first: bool = True) -> Codec:
 
 # Codecs whose modules import heavy libraries register on first need.
 _LAZY_CODECS = {
-    "exported_program": "graphbuild.programs",
-    "onnx": "graphbuild.onnx_artifacts",
-    "bound_onnx": "graphbuild.onnx_artifacts",
+    "exported_program": "graphbuild.frontend.programs",
+    "onnx": "graphbuild.onnx.codecs",
+    "bound_onnx": "graphbuild.onnx.codecs",
 }
 
 
@@ -156,7 +156,7 @@ def codec_for(value: Any) -> Codec:
     raise CodecError(
         f"no artifact codec for stage outputs of type {type(value).__module__}."
         f"{type(value).__qualname__}; return a JSON-able value, bytes, tensors, or register one "
-        "with graphbuild.artifacts.register_codec(...)"
+        "with graphbuild.engine.codecs.register_codec(...)"
     )
 
 
@@ -243,7 +243,7 @@ class BytesCodec(Codec):
 
 
 def tensor_part(tensor: torch.Tensor) -> tuple[dict[str, Any], Part]:
-    from .fingerprint import tensor_bytes
+    from graphbuild.engine.fingerprint import tensor_bytes
 
     meta = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
     return meta, Part(tensor_bytes(tensor))

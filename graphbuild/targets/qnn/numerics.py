@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .bind import BoundModel, materialize
+from graphbuild.onnx.bind import BoundModel, materialize
 
 
 def sqnr_db(reference: np.ndarray, actual: np.ndarray) -> float:
@@ -49,7 +49,7 @@ def compare_outputs(
     """Max abs error, SQNR and error in output quantization steps, per output. With
     ``reinsert``, Q/DQ are put back into the float model from the encodings document alone
     before running it (the ``onnx`` format's contract)."""
-    from .encodings import insert_fake_quant, read_encodings
+    from graphbuild.targets.qnn.encodings import insert_fake_quant, read_encodings
 
     model = materialize(bound)
     if reinsert:

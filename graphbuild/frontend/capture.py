@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from ..artifacts import roundtrip
-from ..programs import ProgramArtifact, strip_stack_traces, strip_state
+from graphbuild.engine.codecs import roundtrip
+from graphbuild.frontend.programs import ProgramArtifact, strip_stack_traces, strip_state
 
 
 def as_args(samples: Any) -> tuple:

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import FileArtifact
-from ..cache import Cache
-from ..hashing import Hasher, digest_json
-from ..pipeline import Pipeline
-from ..scheduler import RunReport, toolchain_versions
+from graphbuild.cache import Cache
+from graphbuild.engine.codecs import FileArtifact
+from graphbuild.engine.hashing import Hasher, digest_json
+from graphbuild.engine.pipeline import Pipeline
+from graphbuild.engine.scheduler import RunReport, toolchain_versions
 
 LOCK_FILE = "graphbuild.lock.json"
 
@@ -263,7 +263,7 @@ def _alive(pid: int) -> bool:
 
 
 def _placeable(value: Any) -> bool:
-    from .bind import BoundModel
+    from graphbuild.onnx.bind import BoundModel
 
     if isinstance(value, (BoundModel, FileArtifact)):
         return True
@@ -271,7 +271,7 @@ def _placeable(value: Any) -> bool:
 
 
 def _write(item: Any, tmp: Path, placement: Placement) -> list[Path]:
-    from .bind import BoundModel, save_model
+    from graphbuild.onnx.bind import BoundModel, save_model
 
     if isinstance(item, BoundModel):
         target = tmp / f"{placement.model_name}.onnx"

@@ -1,7 +1,7 @@
 """``bind``: give the data-less references of a lowered skeleton their current values.
 
-Two kinds of references are filled (see :mod:`graphbuild.stages.onnx_export` and
-:mod:`graphbuild.stages.lower`):
+Two kinds of references are filled (see :mod:`graphbuild.onnx.skeleton` and
+:mod:`graphbuild.onnx.lower`):
 
 * location ``graphbuild:state``: the state tensor named like the initializer;
 * location ``graphbuild:qparams``: scale, zero point, clip bound or int32-quantized tensor of
@@ -26,9 +26,9 @@ import torch
 from onnx_ir import tensor_adapters
 
 from graphbuild.errors import ExportError
-from graphbuild.quantmap import QParams, QuantMap, QuantSpec, QuantValues
-from graphbuild.stages.lower import QID_KEY, QPARAMS_LOCATION, ROLE_KEY, SOURCE_KEY, dtype_range
-from graphbuild.stages.onnx_export import STATE_LOCATION
+from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues
+from graphbuild.onnx.lower import QID_KEY, QPARAMS_LOCATION, ROLE_KEY, SOURCE_KEY, dtype_range
+from graphbuild.onnx.skeleton import STATE_LOCATION
 
 EXTERNAL_DATA_THRESHOLD = 2**31
 """Above this many tensor bytes :func:`save_model` writes external data (protobuf's limit)."""

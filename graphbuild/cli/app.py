@@ -5,7 +5,7 @@ Library code raises typed errors; this module alone turns them into messages and
 ``--json`` on every command prints exactly one JSON document to stdout, errors included.
 ``GRAPHBUILD_DEBUG=1`` adds the traceback to any error.
 
-Progress comes from the scheduler's :class:`~graphbuild.scheduler.StageEvent` stream: on a
+Progress comes from the scheduler's :class:`~graphbuild.engine.scheduler.StageEvent` stream: on a
 terminal a spinner while a stage runs and one line per stage as it finishes; elsewhere (a pipe,
 a CI log) the same lines without spinners or colour. Torch and the export machinery are
 imported only by the commands that need them, so ``graphbuild cache ...`` starts quickly.
@@ -33,8 +33,8 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperCommand
 
-from .config import Config, load_config
-from .errors import (
+from graphbuild.config import Config, load_config
+from graphbuild.errors import (
     CacheError,
     ConfigError,
     ExportError,
@@ -44,10 +44,10 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .api import ExportRequest
-    from .cache import Cache, MaintenanceReport
-    from .pipeline import Pipeline
-    from .scheduler import RunReport, StageEvent
+    from graphbuild.api import ExportRequest
+    from graphbuild.cache import Cache, MaintenanceReport
+    from graphbuild.engine.pipeline import Pipeline
+    from graphbuild.engine.scheduler import RunReport, StageEvent
 
 __all__ = ["app", "main", "Progress", "human_size", "parse_size", "parse_age"]
 
@@ -308,7 +308,7 @@ def _absolute_spec(spec: str, cwd: Path) -> str:
 
 
 def _cache_path(cache_dir: Path | None, cfg: Config | None) -> Path:
-    from .cache import default_cache_dir
+    from graphbuild.cache import default_cache_dir
 
     if cache_dir is not None:
         return cache_dir.expanduser().resolve()
@@ -318,7 +318,7 @@ def _cache_path(cache_dir: Path | None, cfg: Config | None) -> Path:
 
 
 def _open_cache(cache_dir: Path | None, no_cache: bool, cfg: Config | None) -> Cache | None:
-    from .cache import Cache
+    from graphbuild.cache import Cache
 
     if no_cache:
         if cache_dir is not None:
@@ -337,7 +337,7 @@ def _request(
 ) -> tuple[ExportRequest, Pipeline]:
     """The export request the config describes and its pipeline (built before anything runs,
     so an unknown target, format or option is a configuration error)."""
-    from .api import ExportRequest, build_pipeline
+    from graphbuild.api import ExportRequest, build_pipeline
 
     if not cfg.model_name:
         raise ConfigError(
@@ -543,7 +543,7 @@ def export(
     if dry_run:
         _show_status(cfg, cache, as_json)
         return
-    from .api import export_with_pipeline
+    from graphbuild.api import export_with_pipeline
 
     console = _console()
     progress = Progress(console, quiet=quiet or as_json)
@@ -589,7 +589,7 @@ def export(
 
 
 def _show_status(cfg: Config, cache: Cache | None, as_json: bool) -> None:
-    from .api import status
+    from graphbuild.api import status
 
     request, _ = _request(cfg, cache)
     report = status(request)
@@ -661,7 +661,14 @@ def explain_stages(
     """For each stage, what changed since its last recorded run: code, toolchain, each read
     (old and new value, or digests and which tensors / submodules changed) and upstream
     outputs. Uses the planner's readings; nothing is executed."""
-    from .scheduler import StageRecord, _Run, _State, explain_changes, plan_reads, plan_status
+    from graphbuild.engine.scheduler import (
+        StageRecord,
+        _Run,
+        _State,
+        explain_changes,
+        plan_reads,
+        plan_status,
+    )
 
     context = request.context()
     run_id = request.run_id()
@@ -854,7 +861,7 @@ def graph(
 @_handles_errors
 def targets(as_json: JsonOpt = False) -> None:
     """The registered (target, format) pairs."""
-    from .targets.registry import build_default_registry
+    from graphbuild.targets.registry import build_default_registry
 
     pairs = build_default_registry().keys()
     if as_json:

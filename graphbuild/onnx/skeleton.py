@@ -2,7 +2,7 @@
 
 The skeleton holds the graph, the lifted tensor constants (code, not state) and, for every
 parameter and buffer, a *data-less* external reference (location :data:`STATE_LOCATION`,
-initializer name = the state tensor's fully qualified name) that :func:`graphbuild.stages.bind.bind`
+initializer name = the state tensor's fully qualified name) that :func:`graphbuild.onnx.bind.bind`
 fills later. Weights never enter the skeleton, so retuning weights or quantizer values never
 re-runs the exporter (DESIGN.md, invariant 5).
 """
@@ -18,8 +18,8 @@ import onnx_ir as ir
 import torch
 from onnx_ir import tensor_adapters
 
-from graphbuild import markers
 from graphbuild.errors import ExportError, SkeletonValueError
+from graphbuild.frontend import markers
 
 STATE_LOCATION = "graphbuild:state"
 """External-data location of a skeleton initializer that stands for a parameter or buffer."""

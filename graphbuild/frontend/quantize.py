@@ -9,7 +9,7 @@ other quantizer.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch.fx import GraphModule
@@ -17,9 +17,34 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from torchao.quantization.pt2e.quantizer import Quantizer
 
 from graphbuild.errors import ConfigError, ExportError
-from graphbuild.quant.preset import PRESETS, QnnQuantizer, resolve_attr
 
-__all__ = ["load_state", "quantize_program", "resolve_quantizer"]
+__all__ = [
+    "QUANTIZER_PRESETS",
+    "load_state",
+    "quantize_program",
+    "register_preset",
+    "resolve_attr",
+    "resolve_quantizer",
+]
+
+#: Preset name -> factory of a torchao Quantizer. Targets register their presets here (the QNN
+#: target registers w8a8, w8a16, w4a16); the front end resolves names without knowing targets.
+QUANTIZER_PRESETS: dict[str, Callable[[], Quantizer]] = {}
+
+
+def register_preset(name: str, factory: Callable[[], Quantizer]) -> None:
+    """Make ``name`` usable wherever a quantizer is accepted (config, CLI, API)."""
+    QUANTIZER_PRESETS[name] = factory
+
+
+def resolve_attr(model: torch.nn.Module, target: str) -> object:
+    """The object a dotted attribute path (a get_attr target) names, or None."""
+    obj: object = model
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
 
 
 def quantize_program(
@@ -31,7 +56,7 @@ def quantize_program(
 ) -> torch.export.ExportedProgram:
     """Quantize ``program`` with real weights from ``state``; return the re-exported program.
 
-    ``quantizer`` is a preset name (see ``graphbuild.quant.preset.PRESETS``) or any torchao
+    ``quantizer`` is a preset name (see ``QUANTIZER_PRESETS``) or any torchao
     ``Quantizer``. Each calibration batch is a tuple of positional args or a single tensor; an
     empty calibration falls back to ``sample_inputs`` once, with a warning. The result holds
     ``quantized_decomposed`` quantize/dequantize ops around every quantized tensor.
@@ -49,11 +74,14 @@ def quantize_program(
 def resolve_quantizer(quantizer: str | Quantizer) -> Quantizer:
     """A torchao Quantizer from a preset name or an instance; anything else is a ConfigError."""
     if isinstance(quantizer, str):
-        return QnnQuantizer(quantizer)
+        if quantizer not in QUANTIZER_PRESETS:
+            known = ", ".join(QUANTIZER_PRESETS)
+            raise ConfigError(f"unknown quantizer preset {quantizer!r}; known presets: {known}")
+        return QUANTIZER_PRESETS[quantizer]()
     if isinstance(quantizer, Quantizer):
         return quantizer
     raise ConfigError(
-        f"quantizer must be a preset name ({', '.join(PRESETS)}) or a "
+        f"quantizer must be a preset name ({', '.join(QUANTIZER_PRESETS)}) or a "
         f"torchao.quantization.pt2e.quantizer.Quantizer instance, got {type(quantizer).__name__}"
     )
 

@@ -33,8 +33,8 @@ import torch
 from onnx import helper, numpy_helper
 
 from graphbuild.errors import ExportError
-from graphbuild.naming import fresh_name
-from graphbuild.quantmap import QuantMap, QuantSpec, QuantValues
+from graphbuild.frontend.quantmap import QuantMap, QuantSpec, QuantValues
+from graphbuild.onnx.naming import fresh_name
 
 __all__ = [
     "DEFAULT_VERSION",

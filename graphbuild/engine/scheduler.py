@@ -18,15 +18,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .artifacts import encode
-from .cache import Cache, CorruptEntry, stage_key
-from .errors import FingerprintMismatchError, GraphbuildError, StageError, UndeclaredReadError
-from .fingerprint import FACETS, InputFacets, Reading, callable_version, read_value
-from .hashing import digest_bytes
-from .pipeline import UNKEYED_INPUT
+from graphbuild.cache import Cache, CorruptEntry
+from graphbuild.engine.codecs import encode
+from graphbuild.engine.fingerprint import FACETS, InputFacets, Reading, callable_version, read_value
+from graphbuild.engine.hashing import digest_bytes
+from graphbuild.engine.key import stage_key
+from graphbuild.engine.pipeline import UNKEYED_INPUT
+from graphbuild.errors import (
+    FingerprintMismatchError,
+    GraphbuildError,
+    StageError,
+    UndeclaredReadError,
+)
 
 if TYPE_CHECKING:
-    from .pipeline import Pipeline, Stage
+    from graphbuild.engine.pipeline import Pipeline, Stage
 
 __all__ = [
     "EventKind",
@@ -210,9 +216,11 @@ class StageContext(Mapping[str, Any]):
 
 @functools.cache
 def _package_digest() -> str:
-    root = Path(__file__).parent
-    # the front ends (command line, config files) do not change what any stage computes
-    files = sorted(f for f in root.rglob("*.py") if f.name not in ("cli.py", "config.py"))
+    root = Path(__file__).parent.parent
+    # the command line and config files do not change what any stage computes
+    files = sorted(
+        f for f in root.rglob("*.py") if f.relative_to(root).parts[0] not in ("cli", "config.py")
+    )
     return digest_bytes(b"".join(f.read_bytes() for f in files))[:16]
 
 

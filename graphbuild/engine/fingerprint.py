@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from .errors import FingerprintError
-from .hashing import digest_bytes, digest_json
-from .pipeline import FACETS
+from graphbuild.engine.hashing import digest_bytes, digest_json
+from graphbuild.engine.pipeline import FACETS
+from graphbuild.errors import FingerprintError
 
 __all__ = [
     "Reading",
@@ -113,7 +113,7 @@ def fingerprint_type(value: Any, walk: _Walk) -> Any:
         return {"object": _qualname(cls), "attrs": {k: walk.child(k, v) for k, v in slots}}
     raise FingerprintError(
         f"cannot fingerprint {'.'.join(walk.path)} of type {_qualname(cls)}; register it with "
-        f"@graphbuild.fingerprint.fingerprint_type.register({cls.__name__})"
+        f"@graphbuild.engine.fingerprint.fingerprint_type.register({cls.__name__})"
     )
 
 

@@ -1,0 +1,2 @@
+"""ONNX formats: the structure-only skeleton, marker lowering, value binding and the ONNX
+codecs."""
