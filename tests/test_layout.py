@@ -16,6 +16,7 @@ PACKAGE = Path(graphbuild.__file__).parent
 
 TIERS = {
     "errors": 0,
+    "compat": 0,
     "engine": 1,
     "cache": 1,
     "frontend": 2,

@@ -9,10 +9,8 @@ carries values (PT2E output) stores its state as raw tensors.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +18,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from graphbuild.compat import deserialize_program, serialize_program_graph
 from graphbuild.engine.codecs import Codec, Encoded, Part, TensorDictCodec, register_codec
 from graphbuild.errors import CodecError
 from graphbuild.frontend import markers  # noqa: F401  - registers graphbuild::q for deserialization
@@ -90,16 +89,9 @@ class ProgramCodec(Codec):
     types = (ProgramArtifact,)
 
     def encode(self, value: ProgramArtifact) -> Encoded:
-        from torch._export.serde.serialize import serialize
-
         program = value.program
         strip_stack_traces(program)
-        art = serialize(
-            program,
-            serialize_state_dict=False,
-            serialize_constants=False,
-            serialize_example_inputs=False,
-        )
+        graph = serialize_program_graph(program)
         constants = _tensor_constants(program.constants)
         specs = state_specs(program)
         meta = {
@@ -120,13 +112,9 @@ class ProgramCodec(Codec):
         ]
         if value.has_state:
             children.append(tensors.encode({n: program.state_dict[n] for n, _ in specs}))
-        return Encoded(self.name, meta, [Part(art.exported_program)], children)
+        return Encoded(self.name, meta, [Part(graph)], children)
 
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
-        from torch._export.serde.serialize import SerializedArtifact, deserialize
-
-        _register_quantization_ops()
-
         constants = children[0] if isinstance(children[0], dict) and children[0] else {}
         if meta["has_state"]:
             real = children[1]
@@ -141,52 +129,8 @@ class ProgramCodec(Codec):
                 name: placeholder(shape, getattr(torch, dt), p)
                 for name, p, dt, shape in meta["state"]
             }
-        with _cached_type_hints():
-            program = deserialize(SerializedArtifact(bytes(parts[0]), state, constants, b""))
+        program = deserialize_program(parts[0], state, constants)
         return ProgramArtifact(program, meta["has_state"])
-
-
-@contextlib.contextmanager
-def _cached_type_hints() -> Iterator[None]:
-    """torch's program deserializer calls ``typing.get_type_hints`` on its schema
-    dataclasses once per graph object; the answer never changes, and caching it halves the
-    time to load a program."""
-    from torch._export.serde import serialize as serde
-
-    real = serde.typing
-    if isinstance(real, _TypingWithCachedHints):
-        yield
-        return
-    serde.typing = _TypingWithCachedHints(real)
-    try:
-        yield
-    finally:
-        serde.typing = real
-
-
-class _TypingWithCachedHints(types.ModuleType):
-    """The typing module with a memoized ``get_type_hints``."""
-
-    def __init__(self, typing_module: types.ModuleType):
-        super().__init__("typing")
-        self.__dict__.update(vars(typing_module))
-        self._hints: dict[tuple, Any] = {}
-        self._real = typing_module.get_type_hints
-
-    def get_type_hints(self, obj, globalns=None, localns=None, include_extras=False):
-        key = (obj, id(globalns), id(localns), include_extras)
-        if key not in self._hints:
-            self._hints[key] = self._real(obj, globalns, localns, include_extras)
-        return self._hints[key]
-
-
-def _register_quantization_ops() -> None:
-    """A program from PT2E holds ``quantized_decomposed`` ops; torch registers them only
-    when their module is imported, which a fresh process loading the cache has not done."""
-    try:
-        import torch.ao.quantization.fx._decomposed  # noqa: F401
-    except ImportError:  # pragma: no cover - moved in some torch release
-        import torchao.quantization.pt2e.utils  # noqa: F401
 
 
 def _tensor_constants(constants: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,128 @@
+"""Every use of a private torch API, in one place, each behind a version gate.
+
+graphbuild supports torch 2.10 through 2.15 (``pyproject.toml`` pins that range and CI's compat
+matrix tests it). torch's program serializer (``torch._export.serde``) is not public and changes
+between releases; anything that touches it lives here, so a new torch release means reading one
+file. Each gate has a test in ``tests/test_compat.py`` that runs on whichever torch is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TORCH_VERSION",
+    "deserialize_program",
+    "register_quantized_decomposed_ops",
+    "serialize_program_graph",
+]
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+#: (major, minor) of the installed torch.
+TORCH_VERSION: tuple[int, int] = _release(torch.__version__)
+
+
+@functools.cache
+def _serialize_takes_part_flags() -> bool:
+    """torch 2.13 added ``serialize(..., serialize_state_dict=...)``; before it, ``serialize``
+    always pickled the state dict, constants and example inputs beside the graph."""
+    from torch._export.serde.serialize import serialize
+
+    return "serialize_state_dict" in inspect.signature(serialize).parameters
+
+
+def serialize_program_graph(program: torch.export.ExportedProgram) -> bytes:
+    """The JSON bytes of ``program``'s graph, signature and metadata, without its tensors.
+
+    graphbuild stores the tensors itself (raw blobs, never pickle), so the serializer must not
+    spend time pickling them: on torch < 2.13 the tensor pickler is bypassed for the call.
+    """
+    from torch._export.serde import serialize as serde
+
+    if _serialize_takes_part_flags():
+        artifact = serde.serialize(
+            program,
+            serialize_state_dict=False,
+            serialize_constants=False,
+            serialize_example_inputs=False,
+        )
+        return artifact.exported_program
+    real = serde.serialize_torch_artifact
+    serde.serialize_torch_artifact = lambda *args, **kwargs: b""
+    try:
+        return serde.serialize(program).exported_program
+    finally:
+        serde.serialize_torch_artifact = real
+
+
+def deserialize_program(
+    graph: bytes,
+    state: Mapping[str, torch.Tensor],
+    constants: Mapping[str, torch.Tensor],
+) -> torch.export.ExportedProgram:
+    """Rebuild a program from :func:`serialize_program_graph` bytes and its tensors.
+
+    Every supported release accepts in-memory dicts in place of pickled bytes, so nothing is
+    unpickled.
+    """
+    from torch._export.serde.serialize import SerializedArtifact, deserialize
+
+    register_quantized_decomposed_ops()
+    with _cached_type_hints():
+        return deserialize(SerializedArtifact(bytes(graph), dict(state), dict(constants), b""))
+
+
+def register_quantized_decomposed_ops() -> None:
+    """A program from PT2E holds ``quantized_decomposed`` ops; torch registers them only when
+    their module is imported, which a fresh process loading the cache has not done."""
+    try:
+        import torch.ao.quantization.fx._decomposed  # noqa: F401
+    except ImportError:  # torch releases that moved PT2E out of torch.ao keep them in torchao
+        import torchao.quantization.pt2e.utils  # noqa: F401
+
+
+@contextlib.contextmanager
+def _cached_type_hints() -> Iterator[None]:
+    """torch's program deserializer calls ``typing.get_type_hints`` on its schema dataclasses
+    once per graph object; the answer never changes, and caching it halves the time to load a
+    program. Where the serializer does not look hints up through its ``typing`` global, this is
+    a no-op."""
+    from torch._export.serde import serialize as serde
+
+    real = getattr(serde, "typing", None)
+    if not isinstance(real, types.ModuleType) or isinstance(real, _TypingWithCachedHints):
+        yield
+        return
+    serde.typing = _TypingWithCachedHints(real)
+    try:
+        yield
+    finally:
+        serde.typing = real
+
+
+class _TypingWithCachedHints(types.ModuleType):
+    """The typing module with a memoized ``get_type_hints``."""
+
+    def __init__(self, typing_module: types.ModuleType):
+        super().__init__("typing")
+        self.__dict__.update(vars(typing_module))
+        self._hints: dict[tuple, Any] = {}
+        self._real = typing_module.get_type_hints
+
+    def get_type_hints(self, obj, globalns=None, localns=None, include_extras=False):
+        key = (obj, id(globalns), id(localns), include_extras)
+        if key not in self._hints:
+            self._hints[key] = self._real(obj, globalns, localns, include_extras)
+        return self._hints[key]
