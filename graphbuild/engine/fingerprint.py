@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from graphbuild.engine.hashing import digest_bytes, digest_json
+from graphbuild.engine.hashing import Hasher, digest_bytes, digest_json
 from graphbuild.engine.pipeline import FACETS
 from graphbuild.errors import FingerprintError
 
@@ -271,10 +271,57 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
-    """xxh3-128 of the tensor's memory (not of its dtype and shape)."""
+    """xxh3-128 of the tensor's memory (not of its dtype and shape).
+
+    The same digest wherever the tensor lives: a tensor on an accelerator is streamed through
+    a reused (pinned, on CUDA) host buffer in chunks, never copied to the host whole.
+    """
     if tensor.device.type == "meta":
         raise FingerprintError("a meta tensor has no values to fingerprint")
+    if tensor.device.type != "cpu" and tensor.numel() * tensor.element_size() > DEVICE_CHUNK:
+        return _streamed_digest(tensor)
     return digest_bytes(tensor_bytes(tensor))
+
+
+#: Bytes per device-to-host copy when hashing a tensor off the CPU.
+DEVICE_CHUNK = 32 << 20
+
+
+class _StagingBuffers(threading.local):
+    def __init__(self) -> None:
+        self.by_device: dict[str, torch.Tensor] = {}
+
+
+_STAGING = _StagingBuffers()
+
+
+def _staging_buffer(device: torch.device) -> torch.Tensor:
+    """A host buffer of DEVICE_CHUNK bytes for copies from ``device``, made once per thread."""
+    buffer = _STAGING.by_device.get(device.type)
+    if buffer is None:
+        pin = device.type == "cuda"
+        buffer = torch.empty(DEVICE_CHUNK, dtype=torch.uint8, pin_memory=pin)
+        _STAGING.by_device[device.type] = buffer
+    return buffer
+
+
+def _streamed_digest(tensor: torch.Tensor) -> str:
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()  # on the device
+    if t.is_quantized or t.layout != torch.strided:
+        raise FingerprintError(f"cannot read the bytes of a {t.layout} / quantized tensor")
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    staging = _staging_buffer(t.device)
+    hasher = Hasher()
+    for start in range(0, flat.numel(), DEVICE_CHUNK):
+        chunk = flat[start : start + DEVICE_CHUNK]
+        host = staging[: chunk.numel()]
+        host.copy_(chunk)
+        hasher.update(memoryview(host.numpy()))
+    return hasher.hexdigest()
 
 
 @dataclass(frozen=True)

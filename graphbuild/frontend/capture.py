@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from graphbuild.engine.codecs import roundtrip
+from graphbuild.frontend.devices import on_cpu, to_device
 from graphbuild.frontend.programs import ProgramArtifact, strip_stack_traces, strip_state
 
 
@@ -21,7 +22,11 @@ def as_args(samples: Any) -> tuple:
 
 def capture_program(model: torch.nn.Module, samples: Any) -> ProgramArtifact:
     """Trace ``model`` on ``samples``; the artifact keeps the graph and constants, and
-    placeholders for parameters and buffers (the graph does not depend on their values)."""
-    program = torch.export.export(model, as_args(samples))
+    placeholders for parameters and buffers (the graph does not depend on their values).
+
+    A model off the CPU is traced on CPU stand-ins (``devices.on_cpu``), so the program is the
+    same as the CPU model's, whatever device the model and the samples live on."""
+    with on_cpu(model):
+        program = torch.export.export(model, to_device(as_args(samples), "cpu"))
     strip_stack_traces(program)
     return roundtrip(ProgramArtifact(strip_state(program), has_state=False))

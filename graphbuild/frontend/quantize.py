@@ -17,6 +17,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from torchao.quantization.pt2e.quantizer import Quantizer
 
 from graphbuild.errors import ConfigError, ExportError
+from graphbuild.frontend.devices import HostState, to_device
 
 __all__ = [
     "QUANTIZER_PRESETS",
@@ -60,15 +61,20 @@ def quantize_program(
     ``Quantizer``. Each calibration batch is a tuple of positional args or a single tensor; an
     empty calibration falls back to ``sample_inputs`` once, with a warning. The result holds
     ``quantized_decomposed`` quantize/dequantize ops around every quantized tensor.
+
+    Everything runs on the CPU: ``state`` tensors and calibration batches on another device
+    are copied to host memory (see ``devices``), so the result does not depend on where the
+    model lives.
     """
     resolved = resolve_quantizer(quantizer)
+    sample_inputs = to_device(tuple(sample_inputs), "cpu")
     module = program.module()
-    load_state(module, program, state)
+    load_state(module, program, HostState(state))
     prepared = prepare_pt2e(module, resolved)
     _calibrate(prepared, calibration, sample_inputs)
     _check_observed_ranges(prepared)
     converted = convert_pt2e(prepared, fold_quantize=False)
-    return torch.export.export(converted, tuple(sample_inputs))
+    return torch.export.export(converted, sample_inputs)
 
 
 def resolve_quantizer(quantizer: str | Quantizer) -> Quantizer:
@@ -201,9 +207,11 @@ def _calibrate(prepared: GraphModule, calibration: Iterable, sample_inputs: tupl
 
 
 def _batches(calibration: Iterable) -> Iterator[tuple]:
-    """Positional-argument tuples from batches that are tuples, lists or single values."""
+    """Positional-argument tuples on the CPU from batches that are tuples, lists or single
+    values, on any device."""
     for batch in calibration:
-        yield tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        args = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        yield to_device(args, "cpu")
 
 
 def _check_observed_ranges(prepared: GraphModule) -> None:

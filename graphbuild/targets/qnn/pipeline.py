@@ -24,6 +24,7 @@ from graphbuild.engine.codecs import FileArtifact, roundtrip
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
 from graphbuild.errors import ConfigError
 from graphbuild.frontend.capture import as_args, capture_program
+from graphbuild.frontend.devices import HostState, model_device, to_device
 from graphbuild.frontend.programs import ProgramArtifact, strip_state
 from graphbuild.frontend.quantmap import QuantMap, QuantValues
 
@@ -186,7 +187,7 @@ def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
     from graphbuild.onnx.skeleton import STATE_LOCATION
 
     ((lowered, _),) = inputs
-    state = _model_state(context.input)
+    state = _model_tensors(context.input)  # hashed where they are (engine.fingerprint)
     names = set()
     for init in lowered.graph.initializer:
         location = {e.key: e.value for e in init.external_data}.get("location")
@@ -265,8 +266,9 @@ def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
 
 def reference_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
     """Outputs of the (fake-quantized) torch model on the sample inputs."""
+    model = context.input
     with torch.no_grad():
-        out = context.input(*as_args(samples))
+        out = model(*to_device(as_args(samples), model_device(model)))
     return _outputs_dict(out)
 
 
@@ -274,20 +276,26 @@ def reference_from_program(inputs: tuple, samples: Any, context: Any) -> dict:
     """Outputs of the PT2E-quantized program on the sample inputs."""
     (program,) = inputs
     with torch.no_grad():
-        out = program.program.module()(*as_args(samples))
+        out = program.program.module()(*to_device(as_args(samples), "cpu"))
     return _outputs_dict(out)
 
 
 def _outputs_dict(out: Any) -> dict[str, torch.Tensor]:
     leaves, _ = torch.utils._pytree.tree_flatten(out)
-    tensors = [t.detach().float().contiguous() for t in leaves if isinstance(t, torch.Tensor)]
+    tensors = [t.detach().cpu().float().contiguous() for t in leaves if isinstance(t, torch.Tensor)]
     return {f"{i:04d}": t for i, t in enumerate(tensors)}
 
 
-def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by name, on the model's device."""
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(dict(model.named_buffers(remove_duplicate=False)))
     return state
+
+
+def _model_state(model: torch.nn.Module) -> HostState:
+    """The model's parameters and buffers by name, read as CPU tensors (``devices``)."""
+    return HostState(_model_tensors(model))
 
 
 # --------------------------------------------------------------------------- wiring

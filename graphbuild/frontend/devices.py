@@ -1,0 +1,113 @@
+"""Models on any device: graphbuild traces and quantizes on the CPU, never mixing devices.
+
+A model being tuned usually lives on a GPU. Its exported graph must not: the ONNX file, the
+cache keys and every artifact are the same whether the model sat on ``cuda``, ``mps`` or the
+CPU, so a cache filled on a workstation serves a GPU box and the other way round. So:
+
+- ``capture`` traces a CPU stand-in of the model: parameters become uninitialised CPU tensors
+  of the same shape, dtype and strides (tracing reads no parameter values and the captured
+  program stores none, so nothing is copied and no memory is touched), buffers and plain tensor
+  attributes become CPU copies (their values are lifted into the program as constants), and the
+  sample inputs are copied to the CPU. The user's model is restored before capture returns.
+- ``quantize`` calibrates on the CPU: weights are copied to host memory once per stage run (the
+  ONNX file needs them there anyway) and calibration batches are moved as they come.
+- Stages that read the model's values get them through ``HostState``: one host copy per tensor,
+  made when it is read.
+- The reference outputs of the numerics check come from the model on its own device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["HostState", "model_device", "on_cpu", "to_device"]
+
+
+def to_device(tree: Any, device: torch.device | str) -> Any:
+    """``tree`` (nested tuples, lists, dicts) with every tensor moved to ``device``; tensors
+    already there are returned as they are, not copied."""
+    return torch.utils._pytree.tree_map(
+        lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, tree
+    )
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer; the CPU for a model without state."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+class HostState(Mapping[str, torch.Tensor]):
+    """A read-only view of a name -> tensor mapping whose values are on the CPU.
+
+    A tensor off the CPU is copied to host memory when it is read, so a stage that walks the
+    weights one by one holds one host copy at a time, not a copy of the whole model.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._tensors[name]
+        return tensor if tensor.device.type == "cpu" else tensor.detach().cpu()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+@contextmanager
+def on_cpu(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Within the block, ``model``'s state off the CPU is replaced by CPU stand-ins (see the
+    module docstring); on exit every original tensor is put back, whatever happened.
+
+    Tied tensors (one object under several names) get one stand-in, so ties survive tracing.
+    A model whose state is all on the CPU is left untouched.
+    """
+    stand_ins: dict[int, torch.Tensor] = {}
+    undo: list[tuple[dict[str, Any], str, Any]] = []
+
+    def swap(store: dict[str, Any], name: str, make: Any) -> None:
+        original = store[name]
+        if id(original) not in stand_ins:
+            stand_ins[id(original)] = make(original)
+        undo.append((store, name, original))
+        store[name] = stand_ins[id(original)]
+
+    try:
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and param.device.type != "cpu":
+                    swap(module._parameters, name, _parameter_stand_in)
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None and buffer.device.type != "cpu":
+                    swap(module._buffers, name, _host_copy)
+            attrs = vars(module)
+            for name, value in list(attrs.items()):
+                if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                    swap(attrs, name, _host_copy)
+        yield model
+    finally:
+        for store, name, original in reversed(undo):
+            store[name] = original
+
+
+def _parameter_stand_in(param: torch.Tensor) -> torch.Tensor:
+    empty = torch.empty_strided(param.size(), param.stride(), dtype=param.dtype)
+    if isinstance(param, torch.nn.Parameter):
+        return torch.nn.Parameter(empty, requires_grad=param.requires_grad)
+    return empty
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    copy = tensor.detach().cpu()
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    return copy
