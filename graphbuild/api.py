@@ -22,23 +22,29 @@ from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.scheduler import RunReport, StageEvent, plan_status
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.output.placement import LOCK_FILE, Placement, place_outputs
-from graphbuild.targets.qnn import QnnOnnxOptions
-from graphbuild.targets.registry import PipelineFactory, PipelineRegistry, build_default_registry
+from graphbuild.targets.registry import (
+    DEFAULT_TARGET,
+    PipelineFactory,
+    PipelineRegistry,
+    build_default_registry,
+    find_target,
+)
 
 __all__ = ["ExportRequest", "ExportArtifacts", "export", "export_with_pipeline", "LOCK_FILE"]
 
 
 @dataclass
 class ExportRequest:
-    """Everything an export needs; ``options`` is a ``QnnOnnxOptions`` or a plain dict of
-    context values for custom pipelines."""
+    """Everything an export needs. ``options`` is the target's options dataclass (for the qnn
+    target ``QnnOnnxOptions``, for executorch ``ExecuTorchOptions``), a dict of its fields, or
+    for a custom pipeline a plain dict of context values."""
 
     model: torch.nn.Module
     data: Any
     output_directory: str | os.PathLike
     model_name: str
-    target: str = "qnn"
-    format: str = "onnx"
+    target: str = DEFAULT_TARGET
+    format: str | None = None
     options: Any = None
     registry: PipelineRegistry | None = None
     pipeline_factory: PipelineFactory | None = None
@@ -49,6 +55,11 @@ class ExportRequest:
     check_fingerprints: bool = False
 
     def __post_init__(self) -> None:
+        if self.format is None:
+            target = find_target(self.target)
+            if target is None:
+                raise ConfigError(f"target '{self.target}' is not registered: give its format")
+            self.format = target.default_format
         name = str(self.model_name)
         if not name or "/" in name or "\\" in name or os.sep in name or name in (".", ".."):
             raise ExportError(
@@ -56,25 +67,25 @@ class ExportRequest:
                 "separator; put the directory in output_directory"
             )
 
-    def qnn_options(self) -> QnnOnnxOptions:
-        if self.options is None:
-            return QnnOnnxOptions()
-        if isinstance(self.options, QnnOnnxOptions):
-            return self.options
-        if isinstance(self.options, Mapping):
-            try:
-                return QnnOnnxOptions(**self.options)
-            except TypeError as err:
-                raise ConfigError(f"bad QNN export options: {err}") from err
-        raise ConfigError(f"options must be QnnOnnxOptions or a dict, not {type(self.options)}")
+    def target_options(self) -> Any:
+        """The options as the target declares them (``Target.options_type``); for a target
+        known only to a custom registry, as given (a dict or an object with ``to_context``)."""
+        target = find_target(self.target)
+        return target.make_options(self.options) if target is not None else self.options
 
     def context(self) -> dict[str, Any]:
-        if isinstance(self.options, Mapping) and self.target != "qnn":
-            ctx = dict(self.options)
-        elif self.options is None and self.target != "qnn":
-            ctx = {}
+        options = self.target_options()
+        if options is None:
+            ctx: dict[str, Any] = {}
+        elif hasattr(options, "to_context"):
+            ctx = options.to_context()
+        elif isinstance(options, Mapping):
+            ctx = dict(options)
         else:
-            ctx = self.qnn_options().to_context()
+            raise ConfigError(
+                f"options for target '{self.target}' must be a dict or have to_context(), "
+                f"not {type(options).__name__}"
+            )
         ctx.update(model_name=self.model_name, target=self.target, format=self.format)
         return ctx
 
@@ -146,8 +157,10 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
     )
     files, lock = place_outputs(pipeline, result, placement, cache)
     result.report.seconds = time.perf_counter() - t0
-    if "check_numerics" in result.outputs:
-        result.report.extra["numerics"] = result.outputs["check_numerics"]
+    reports = pipeline.reports or {"numerics": "check_numerics"}
+    for name, stage in reports.items():
+        if stage in result.outputs:
+            result.report.extra[name] = result.outputs[stage]
     return ExportArtifacts(pipeline.name, result.captured, files, result.report, out_dir, lock)
 
 
@@ -157,8 +170,8 @@ def export(
     output_directory: str | os.PathLike,
     model_name: str,
     *,
-    target: str = "qnn",
-    format: str = "onnx",
+    target: str = DEFAULT_TARGET,
+    format: str | None = None,
     options: Any = None,
     registry: PipelineRegistry | None = None,
     pipeline_factory: PipelineFactory | None = None,

@@ -1,7 +1,7 @@
 """``graphbuild.toml`` / ``[tool.graphbuild]`` loading and validation.
 
 The configuration names what to export (a model factory, its sample inputs and calibration
-batches), how (target, format, quantization, QNN options) and where (output and cache
+batches), how (target, format, quantization, the target's options) and where (output and cache
 directories). It is found from the working directory upward: in each directory a
 ``graphbuild.toml`` wins over a ``pyproject.toml`` with a ``[tool.graphbuild]`` table, and the
 first directory with either wins. Relative paths in it are relative to its own directory.
@@ -33,6 +33,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from graphbuild.errors import ConfigError
+from graphbuild.targets.base import STR, OptionType
+from graphbuild.targets.registry import DEFAULT_TARGET, get_target
 
 __all__ = [
     "CONFIG_FILE",
@@ -45,9 +47,6 @@ __all__ = [
 CONFIG_FILE = "graphbuild.toml"
 PYPROJECT = "pyproject.toml"
 DEFAULT_OUTPUT_DIR = "graphbuild-out"
-# The presets of graphbuild.targets.qnn.preset, known here so that a warm export need not import
-# torchao; any other name is checked against that module.
-PRESET_NAMES = ("w8a8", "w8a16", "w4a16")
 
 _EXAMPLE = f"""\
     # {CONFIG_FILE}
@@ -61,48 +60,23 @@ _EXAMPLE = f"""\
 # --------------------------------------------------------------------------- schema
 
 
-@dataclass(frozen=True)
-class _Type:
-    """One expected value type: a check and how to say it in an error message."""
+_TABLE = OptionType("a table", lambda v: isinstance(v, dict))
 
-    label: str
-    check: Any
-
-    def accepts(self, value: Any) -> bool:
-        return bool(self.check(value))
-
-
-_STR = _Type("a string", lambda v: isinstance(v, str))
-_INT = _Type("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
-_BOOL = _Type("true or false", lambda v: isinstance(v, bool))
-_STRS = _Type(
-    "a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)
-)
-_TABLE = _Type("a table", lambda v: isinstance(v, dict))
-
-_TOP: dict[str, _Type] = {
-    "model": _STR,
-    "samples": _STR,
-    "calibration": _STR,
-    "target": _STR,
-    "format": _STR,
-    "model_name": _STR,
-    "output_dir": _STR,
-    "cache_dir": _STR,
+_TOP: dict[str, OptionType] = {
+    "model": STR,
+    "samples": STR,
+    "calibration": STR,
+    "target": STR,
+    "format": STR,
+    "recipe": STR,
+    "model_name": STR,
+    "output_dir": STR,
+    "cache_dir": STR,
     "quantization": _TABLE,
     "options": _TABLE,
 }
-_QUANTIZATION: dict[str, _Type] = {"preset": _STR, "quantizer": _STR}
-_OPTIONS: dict[str, _Type] = {
-    "opset": _INT,
-    "encodings_version": _STR,
-    "input_names": _STRS,
-    "output_names": _STRS,
-    "external_data": _BOOL,
-    "fake_quantize_weights": _BOOL,
-    "check_numerics": _BOOL,
-}
-_TABLES: dict[str, dict[str, _Type]] = {"quantization": _QUANTIZATION, "options": _OPTIONS}
+_QUANTIZATION: dict[str, OptionType] = {"preset": STR, "quantizer": STR}
+_TABLES: dict[str, dict[str, OptionType]] = {"quantization": _QUANTIZATION}
 
 
 def _suggest(key: str, known: Iterable[str]) -> str:
@@ -119,13 +93,14 @@ def _describe(value: Any) -> str:
 
 
 def _validate(table: Mapping[str, Any], where: str) -> None:
-    """Unknown keys and wrong types, each a ConfigError naming the key and its table."""
+    """Unknown keys and wrong types, each a ConfigError naming the key and its table. The
+    ``[options]`` table is checked against the configured target's schema."""
     for key, value in table.items():
         if key not in _TOP:
             raise ConfigError(f"{where}: unknown top-level key '{key}'{_suggest(key, _TOP)}")
         _check_type(key, value, _TOP[key], where)
-        if key in _TABLES:
-            schema = _TABLES[key]
+        if key in _TABLES or key == "options":
+            schema = _TABLES[key] if key != "options" else _target_schema(table, where)
             for sub, subvalue in value.items():
                 if sub not in schema:
                     raise ConfigError(
@@ -134,7 +109,15 @@ def _validate(table: Mapping[str, Any], where: str) -> None:
                 _check_type(f"{key}.{sub}", subvalue, schema[sub], where)
 
 
-def _check_type(key: str, value: Any, expected: _Type, where: str) -> None:
+def _target_schema(table: Mapping[str, Any], where: str) -> Mapping[str, OptionType]:
+    name = table.get("target", DEFAULT_TARGET)
+    try:
+        return get_target(name).config_schema
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def _check_type(key: str, value: Any, expected: OptionType, where: str) -> None:
     if not expected.accepts(value):
         raise ConfigError(f"{where}: '{key}' must be {expected.label}, got {_describe(value)}")
 
@@ -219,11 +202,11 @@ def _apply_override(table: dict[str, Any], key: str, value: Any) -> None:
             raise ConfigError(f"--set: unknown top-level key '{head}'{_suggest(head, _TOP)}")
         table[head] = value
         return
-    if head not in _TABLES:
+    if head not in _TABLES and head != "options":
         known = [f"{t}.{k}" for t, schema in _TABLES.items() for k in schema] + list(_TOP)
         raise ConfigError(f"--set: unknown key '{key}'{_suggest(key, known)}")
-    schema = _TABLES[head]
-    if tail not in schema:
+    schema = _TABLES.get(head)  # [options] is checked once the target is known (_validate)
+    if schema is not None and tail not in schema:
         raise ConfigError(f"--set: unknown key '{tail}' in [{head}]{_suggest(tail, schema)}")
     sub = table.setdefault(head, {})
     if not isinstance(sub, dict):
@@ -245,14 +228,15 @@ class Config:
     model: str | None = None
     samples: str | None = None
     calibration: str | None = None
-    target: str = "qnn"
-    format: str = "onnx"
+    target: str = DEFAULT_TARGET
+    format: str | None = None
     model_name: str | None = None
     output_dir: Path = Path(DEFAULT_OUTPUT_DIR)
     cache_dir: Path | None = None
     preset: str | None = None
     quantizer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    recipe: str | None = None
 
     @property
     def run_id(self) -> str:
@@ -320,15 +304,30 @@ class Config:
 
     def quantizer_object(self) -> Any:
         """The configured quantizer: a preset name, a torchao Quantizer, or None."""
+        target = get_target(self.target)
+        if self.preset is not None and not target.presets and self.quantizer is None:
+            if self.recipe is not None and "recipe" in target.option_names():
+                return None  # the preset is another target's; this one has its recipe
+            raise ConfigError(
+                f"{self.where}: target '{target.name}' has no quantization presets "
+                f"('{self.preset}' is another target's); "
+                + (
+                    'set recipe = "..." (see graphbuild targets)'
+                    if "recipe" in target.option_names()
+                    else "set [quantization] quantizer instead"
+                )
+            )
         if self.preset is not None:
-            if self.preset in PRESET_NAMES:  # skip importing torchao (2 s) on a warm run
-                return self.preset
-            from graphbuild.targets.qnn.preset import PRESETS
+            builtin = target.presets
+            if self.preset in builtin:
+                return self.preset  # known without importing torchao
+            from graphbuild.frontend.quantize import QUANTIZER_PRESETS
 
-            if self.preset not in PRESETS:
+            known = {*builtin, *QUANTIZER_PRESETS}
+            if self.preset not in known:
+                hint = _suggest(self.preset, known).replace("Known keys", "Known presets")
                 raise ConfigError(
-                    f"{self.where}: unknown quantization preset '{self.preset}'"
-                    f"{_suggest(self.preset, PRESETS).replace('Known keys', 'Known presets')}"
+                    f"{self.where}: unknown quantization preset '{self.preset}'{hint}"
                 )
             return self.preset
         if self.quantizer is None:
@@ -347,18 +346,27 @@ class Config:
         return obj
 
     def export_options(self, calibration: list[Any] | None = None) -> Any:
-        """Options for ``graphbuild.api``: ``QnnOnnxOptions`` for the qnn target, else a dict."""
+        """Options for ``graphbuild.api``: the target's options dataclass, built from
+        ``[options]``, the quantizer and the calibration batches."""
+        target = get_target(self.target)
         options = dict(self.options)
         for key in ("input_names", "output_names"):
             if options.get(key) is not None:
                 options[key] = tuple(options[key])
         quantizer = self.quantizer_object()
-        if self.target != "qnn":
-            return {**options, "quantizer": quantizer, "calibration": calibration}
-        from graphbuild.targets.qnn import QnnOnnxOptions
-
+        names = target.option_names()
+        if self.recipe is not None and "recipe" in names:  # other targets ignore it
+            options["recipe"] = self.recipe
+        for key, value in (("quantizer", quantizer), ("calibration", calibration)):
+            if key in names:
+                options[key] = value
+            elif value is not None:
+                raise ConfigError(
+                    f"{self.where}: target '{target.name}' takes no {key}; see its options "
+                    f"({', '.join(names)})"
+                )
         try:
-            return QnnOnnxOptions(**options, quantizer=quantizer, calibration=calibration)
+            return target.make_options(options)
         except ConfigError as err:
             raise ConfigError(f"{self.where}: [options] {err}") from err
 
@@ -420,20 +428,29 @@ def _build(table: dict[str, Any], root: Path, source: Path | None) -> Config:
     model = table.get("model")
     name = table.get("model_name") or (_stem(model) if model else None)
     cache_dir = table.get("cache_dir")
+    target = table.get("target", DEFAULT_TARGET)
+    options = dict(table.get("options", {}))
+    recipe = table.get("recipe")
+    if recipe is not None and options.get("recipe", recipe) != recipe:
+        raise ConfigError(
+            f"{where}: 'recipe' and 'options.recipe' disagree ({recipe!r} and "
+            f"{options['recipe']!r}); keep one"
+        )
     return Config(
         root=root,
         source=source,
         model=model,
         samples=table.get("samples"),
         calibration=table.get("calibration"),
-        target=table.get("target", "qnn"),
-        format=table.get("format", "onnx"),
+        target=target,
+        format=table.get("format") or get_target(target).default_format,
         model_name=name,
         output_dir=_path(root, table.get("output_dir", DEFAULT_OUTPUT_DIR)),
         cache_dir=_path(root, cache_dir) if cache_dir else None,
         preset=quant.get("preset"),
         quantizer=quant.get("quantizer"),
-        options=dict(table.get("options", {})),
+        options=options,
+        recipe=recipe,
     )
 
 

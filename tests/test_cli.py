@@ -346,11 +346,16 @@ def test_graph_needs_no_config_file(tmp_path, monkeypatch):
     assert "quantize" not in [s["name"] for s in doc["stages"]]  # no quantizer configured
 
 
-def test_targets_lists_registered_pairs():
-    doc = invoke_json("targets")
-    assert {"target": "qnn", "format": "onnx"} in doc["targets"]
-    assert {"target": "qnn", "format": "onnx_qdq"} in doc["targets"]
-    assert invoke("targets").stdout.splitlines()[:2] == ["qnn/onnx", "qnn/onnx_qdq"]
+def test_targets_lists_every_target_with_its_formats_and_options():
+    doc = {t["target"]: t for t in invoke_json("targets")["targets"]}
+    assert doc["qnn"]["formats"] == ["onnx", "onnx_qdq"]
+    assert doc["qnn"]["default_format"] == "onnx"
+    assert "opset" in doc["qnn"]["options"] and "w8a16" in doc["qnn"]["presets"]
+    assert doc["executorch"]["formats"][0] == "xnnpack"
+    assert "recipe" in doc["executorch"]["options"]
+    text = invoke("targets").stdout
+    assert "qnn:" in text and "executorch:" in text
+    assert "formats: xnnpack, portable, vgf (default xnnpack)" in text
 
 
 # --------------------------------------------------------------------------- cache

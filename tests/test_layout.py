@@ -37,24 +37,12 @@ def _part(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (annotations only)."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in (
-            "TYPE_CHECKING",
-            "typing.TYPE_CHECKING",
-        ):
-            yield from (n for child in node.orelse for n in ast.walk(child))
-            continue
-        yield node
-        yield from _runtime_nodes(node)
-
-
 def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) for every graphbuild import that runs in ``path``, lazy ones included."""
+    """(line, module) for every graphbuild import in ``path``: lazy ones and those for type
+    annotations only (``if TYPE_CHECKING:``) included, since both are dependencies."""
     tree = ast.parse(path.read_text(), filename=str(path))
     found = []
-    for node in _runtime_nodes(tree):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module.split(".")[0] == "graphbuild":
                 found.append((node.lineno, node.module))
@@ -91,3 +79,52 @@ def test_engine_knows_no_torch_export_onnx_or_target() -> None:
     for path in (PACKAGE / "engine").rglob("*.py"):
         for line, module in _imports(path):
             assert _part(module) in {"engine", "cache", "errors"}, f"{path}:{line} {module}"
+
+
+# Where a target's names may appear: its own package, the registry that lists the built-ins,
+# and the package's lazy re-exports.
+_TARGET_HOMES = {"qnn": ("targets/qnn/", "targets/registry.py", "__init__.py")}
+
+
+def _code_strings_and_names(tree: ast.AST):
+    """Identifiers and string constants of ``tree``, docstrings left out (prose may say QNN)."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.alias):
+            yield node.lineno, node.name
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        ):
+            yield node.lineno, node.value
+
+
+def test_no_target_names_outside_the_targets_own_package() -> None:
+    """config, api, CLI and the engine take everything target-specific from the Target."""
+    found = []
+    for target, homes in _TARGET_HOMES.items():
+        for path in sorted(PACKAGE.rglob("*.py")):
+            rel = path.relative_to(PACKAGE).as_posix()
+            if rel.startswith(homes):
+                continue
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for line, text in _code_strings_and_names(tree):
+                if (
+                    text.lower() == target
+                    or text.lower().startswith(f"{target}_")
+                    or (text.startswith(target.capitalize()) or f"targets.{target}" in text)
+                ):
+                    found.append(f"{rel}:{line}: {text!r}")
+    assert not found, "target names outside their package:\n" + "\n".join(found)

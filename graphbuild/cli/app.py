@@ -249,9 +249,15 @@ ConfigOpt = Annotated[
     Path | None,
     typer.Option("--config", "-c", help="Config file (graphbuild.toml or pyproject.toml)."),
 ]
-TargetOpt = Annotated[str | None, typer.Option("--target", "-t", help="Export target (qnn).")]
+TargetOpt = Annotated[
+    str | None,
+    typer.Option("--target", "-t", help="Export target: qnn, executorch (graphbuild targets)."),
+]
 FormatOpt = Annotated[
-    str | None, typer.Option("--format", "-f", help="Export format: onnx or onnx_qdq.")
+    str | None,
+    typer.Option(
+        "--format", "-f", help="Target format, e.g. onnx, onnx_qdq, xnnpack (the target's first)."
+    ),
 ]
 ModelOpt = Annotated[
     str | None,
@@ -860,15 +866,33 @@ def graph(
 @app.command()
 @_handles_errors
 def targets(as_json: JsonOpt = False) -> None:
-    """The registered (target, format) pairs."""
-    from graphbuild.targets.registry import build_default_registry
+    """The export targets, their formats (the first is the default) and options."""
+    from graphbuild.targets.registry import all_targets
 
-    pairs = build_default_registry().keys()
+    found = all_targets()
     if as_json:
-        _emit_json({"targets": [{"target": t, "format": f} for t, f in pairs]})
+        _emit_json(
+            {
+                "targets": [
+                    {
+                        "target": t.name,
+                        "formats": list(t.formats),
+                        "default_format": t.default_format,
+                        "description": t.description,
+                        "options": list(t.config_schema),
+                        "presets": list(t.presets),
+                    }
+                    for t in found
+                ]
+            }
+        )
         return
-    for t, f in pairs:
-        typer.echo(f"{t}/{f}" if t else f)
+    for t in found:
+        typer.echo(f"{t.name}: {t.description}")
+        typer.echo(f"  formats: {', '.join(t.formats)} (default {t.default_format})")
+        typer.echo(f"  [options]: {', '.join(t.config_schema) or 'none'}")
+        if t.presets:
+            typer.echo(f"  presets: {', '.join(t.presets)}")
 
 
 # --------------------------------------------------------------------------- cache

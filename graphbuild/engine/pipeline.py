@@ -99,6 +99,9 @@ class Pipeline:
         self.graph = nx.DiGraph()
         self._products: list[str] | None = None
         self._order = itertools.count()
+        #: report name -> stage whose output an export puts in ``RunReport.extra`` under that
+        #: name (numerics, delegation summaries: what a user reads besides the files)
+        self.reports: dict[str, str] = {}
 
     # ----------------------------------------------------------------- building
 

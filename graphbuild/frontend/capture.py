@@ -30,3 +30,9 @@ def capture_program(model: torch.nn.Module, samples: Any) -> ProgramArtifact:
         program = torch.export.export(model, to_device(as_args(samples), "cpu"))
     strip_stack_traces(program)
     return roundtrip(ProgramArtifact(strip_state(program), has_state=False))
+
+
+def capture(model: torch.nn.Module, samples: Any, context: Any) -> ProgramArtifact:
+    """The ``capture`` stage every target shares: one callable, so one cache entry per model
+    and sample spec whichever target asks for it."""
+    return capture_program(model, samples)

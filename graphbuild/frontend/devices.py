@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostState", "model_device", "on_cpu", "to_device"]
+__all__ = ["HostState", "host_state", "model_device", "model_tensors", "on_cpu", "to_device"]
 
 
 def to_device(tree: Any, device: torch.device | str) -> Any:
@@ -61,6 +61,19 @@ class HostState(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._tensors)
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by name (tied ones under every name), where they
+    live."""
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
+    return state
+
+
+def host_state(model: torch.nn.Module) -> HostState:
+    """The model's parameters and buffers by name, read as CPU tensors."""
+    return HostState(model_tensors(model))
 
 
 @contextmanager

@@ -29,6 +29,7 @@ __all__ = [
     "placeholder_like",
     "state_specs",
     "strip_state",
+    "with_state",
 ]
 
 
@@ -70,6 +71,26 @@ def strip_state(program: ExportedProgram) -> ExportedProgram:
         name: placeholder_like(program.state_dict[name], is_param)
         for name, is_param in state_specs(program)
     }
+    return out
+
+
+def with_state(program: ExportedProgram, state: Mapping[str, torch.Tensor]) -> ExportedProgram:
+    """A shallow copy of a structure-only ``program`` whose parameters and buffers are the
+    tensors of ``state`` (by FQN), for back ends that need real values in the program."""
+    out = copy.copy(program)
+    values = {}
+    for name, is_param in state_specs(program):
+        if name not in state:
+            raise CodecError(f"the model has no tensor '{name}' that the program needs")
+        value = state[name].detach()
+        expected = program.state_dict[name]
+        if value.shape != expected.shape or value.dtype != expected.dtype:
+            raise CodecError(
+                f"state '{name}' is {value.dtype}{list(value.shape)}; the program expects "
+                f"{expected.dtype}{list(expected.shape)}"
+            )
+        values[name] = torch.nn.Parameter(value, requires_grad=False) if is_param else value
+    out._state_dict = values  # noqa: SLF001 - ExportedProgram has no public setter
     return out
 
 

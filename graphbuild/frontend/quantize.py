@@ -54,13 +54,17 @@ def quantize_program(
     quantizer: str | Quantizer,
     calibration: Iterable,
     sample_inputs: tuple,
+    *,
+    fold_quantize: bool = False,
 ) -> torch.export.ExportedProgram:
     """Quantize ``program`` with real weights from ``state``; return the re-exported program.
 
     ``quantizer`` is a preset name (see ``QUANTIZER_PRESETS``) or any torchao
     ``Quantizer``. Each calibration batch is a tuple of positional args or a single tensor; an
     empty calibration falls back to ``sample_inputs`` once, with a warning. The result holds
-    ``quantized_decomposed`` quantize/dequantize ops around every quantized tensor.
+    ``quantized_decomposed`` quantize/dequantize ops around every quantized tensor; with
+    ``fold_quantize`` the weights are stored quantized (integer constants followed by a
+    dequantize), as back ends that consume integer weights (ExecuTorch) expect.
 
     Everything runs on the CPU: ``state`` tensors and calibration batches on another device
     are copied to host memory (see ``devices``), so the result does not depend on where the
@@ -73,7 +77,7 @@ def quantize_program(
     prepared = prepare_pt2e(module, resolved)
     _calibrate(prepared, calibration, sample_inputs)
     _check_observed_ranges(prepared)
-    converted = convert_pt2e(prepared, fold_quantize=False)
+    converted = convert_pt2e(prepared, fold_quantize=fold_quantize)
     return torch.export.export(converted, sample_inputs)
 
 

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from graphbuild.frontend.reference import output_errors
 from graphbuild.onnx.bind import BoundModel, materialize
-
-
-def sqnr_db(reference: np.ndarray, actual: np.ndarray) -> float:
-    """Signal-to-quantization-noise ratio of ``actual`` against ``reference``, in dB."""
-    noise = float(np.sum((reference.astype(np.float64) - actual) ** 2))
-    signal = float(np.sum(reference.astype(np.float64) ** 2))
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
 
 
 def run_onnx(model: Any, args: tuple) -> list[np.ndarray]:
@@ -59,16 +48,14 @@ def compare_outputs(
     table = read_encodings(encodings)
     outputs = []
     for (_, ref), got, name in zip(sorted(reference.items()), actual, names, strict=True):
-        ref_np = ref.numpy()
-        got = np.asarray(got, dtype=np.float32).reshape(ref_np.shape)
-        err = float(np.max(np.abs(ref_np - got))) if ref_np.size else 0.0
+        errors = output_errors(ref.numpy(), got)
         enc = table.get(name)
         step = float(np.max(enc.scale)) if enc is not None and enc.scale.size == 1 else None
+        err = errors["max_abs_error"]
         outputs.append(
             {
                 "name": name,
-                "max_abs_error": err,
-                "sqnr_db": sqnr_db(ref_np, got),
+                **errors,
                 "output_step": step,
                 "max_error_steps": err / step if step else None,
             }

@@ -14,77 +14,28 @@ values; values enter at qparams, bind and encodings (DESIGN.md, invariant 5).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import Any
 
 from graphbuild.engine.codecs import FileArtifact, roundtrip
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
 from graphbuild.errors import ConfigError
-from graphbuild.frontend.capture import as_args, capture_program
-from graphbuild.frontend.devices import HostState, model_device, to_device
+from graphbuild.frontend.capture import as_args, capture
+from graphbuild.frontend.devices import host_state, model_tensors
 from graphbuild.frontend.programs import ProgramArtifact, strip_state
 from graphbuild.frontend.quantmap import QuantMap, QuantValues
-
-if TYPE_CHECKING:
-    from graphbuild.api import ExportRequest
-
-FORMATS = ("onnx", "onnx_qdq")
-ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
-
-
-@dataclass
-class QnnOnnxOptions:
-    """Options of the QNN export; each becomes one context key that stages declare.
-
-    ``quantizer`` is a preset name (``w8a8``, ``w8a16``, ``w4a16``) or a torchao
-    ``Quantizer``; with it graphbuild runs PT2E on ``calibration`` (batches of positional
-    inputs). Without it the model is taken as already quantized (fake-quant or q/dq ops).
-    """
-
-    opset: int = 21
-    encodings_version: str = "1.0.0"
-    input_names: Sequence[str] | None = None
-    output_names: Sequence[str] | None = None
-    external_data: bool | None = None
-    fake_quantize_weights: bool = True
-    quantizer: Any = None
-    calibration: Sequence[Any] | None = None
-    check_numerics: bool = False
-
-    def __post_init__(self) -> None:
-        if self.encodings_version not in ENCODINGS_VERSIONS:
-            raise ConfigError(
-                f"unknown encodings version '{self.encodings_version}'; "
-                f"known: {', '.join(ENCODINGS_VERSIONS)}"
-            )
-        if not isinstance(self.opset, int) or not 13 <= self.opset <= 23:
-            raise ConfigError(f"opset must be an integer from 13 to 23, not {self.opset!r}")
-
-    def to_context(self) -> dict[str, Any]:
-        # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
-        ctx = {f.name: getattr(self, f.name) for f in fields(self)}
-        ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
-        for key in ("input_names", "output_names"):
-            if ctx[key] is not None:
-                ctx[key] = list(ctx[key])
-        return ctx
-
+from graphbuild.frontend.reference import reference_from_model, reference_from_program
+from graphbuild.targets.base import Request, coerce_options
+from graphbuild.targets.qnn import preset as _preset  # noqa: F401  - registers the presets
+from graphbuild.targets.qnn.options import FORMATS, QnnOnnxOptions
 
 # --------------------------------------------------------------------------- stages
-
-
-def capture(model: torch.nn.Module, samples: Any, context: Any) -> ProgramArtifact:
-    return capture_program(model, samples)
 
 
 def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     from graphbuild.frontend.quantize import quantize_program
 
     (captured,) = inputs
-    state = _model_state(context.input)
+    state = host_state(context.input)
     calibration = context["calibration"] or []
     program = quantize_program(
         captured.program, state, context["quantizer"], calibration, as_args(samples)
@@ -131,7 +82,7 @@ def qparams_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
     from graphbuild.frontend.normalize import qvalues_from
 
     ((qmap, fixed),) = inputs
-    values = qvalues_from(QuantMap.from_json(qmap), fixed, _model_state(context.input))
+    values = qvalues_from(QuantMap.from_json(qmap), fixed, host_state(context.input))
     return values.to_tensors()
 
 
@@ -187,7 +138,7 @@ def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
     from graphbuild.onnx.skeleton import STATE_LOCATION
 
     ((lowered, _),) = inputs
-    state = _model_tensors(context.input)  # hashed where they are (engine.fingerprint)
+    state = model_tensors(context.input)  # hashed where they are (engine.fingerprint)
     names = set()
     for init in lowered.graph.initializer:
         location = {e.key: e.value for e in init.external_data}.get("location")
@@ -209,7 +160,7 @@ def bind_model_weights(inputs: tuple, samples: Any, context: Any) -> Any:
     (lowered, _), (qmap, _), qvalues, _digests = inputs
     return bind(
         lowered,
-        _model_state(context.input),
+        host_state(context.input),
         QuantMap.from_json(qmap),
         QuantValues.from_tensors(qvalues),
         fake_quantize_weights=context["fake_quantize_weights"],
@@ -264,44 +215,10 @@ def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
     return compare_outputs(bound, doc, reference, as_args(samples), reinsert=False)
 
 
-def reference_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
-    """Outputs of the (fake-quantized) torch model on the sample inputs."""
-    model = context.input
-    with torch.no_grad():
-        out = model(*to_device(as_args(samples), model_device(model)))
-    return _outputs_dict(out)
-
-
-def reference_from_program(inputs: tuple, samples: Any, context: Any) -> dict:
-    """Outputs of the PT2E-quantized program on the sample inputs."""
-    (program,) = inputs
-    with torch.no_grad():
-        out = program.program.module()(*to_device(as_args(samples), "cpu"))
-    return _outputs_dict(out)
-
-
-def _outputs_dict(out: Any) -> dict[str, torch.Tensor]:
-    leaves, _ = torch.utils._pytree.tree_flatten(out)
-    tensors = [t.detach().cpu().float().contiguous() for t in leaves if isinstance(t, torch.Tensor)]
-    return {f"{i:04d}": t for i, t in enumerate(tensors)}
-
-
-def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers by name, on the model's device."""
-    state = dict(model.named_parameters(remove_duplicate=False))
-    state.update(dict(model.named_buffers(remove_duplicate=False)))
-    return state
-
-
-def _model_state(model: torch.nn.Module) -> HostState:
-    """The model's parameters and buffers by name, read as CPU tensors (``devices``)."""
-    return HostState(_model_tensors(model))
-
-
 # --------------------------------------------------------------------------- wiring
 
 
-def build_qnn_pipeline(request: ExportRequest, fmt: str | None = None) -> Pipeline:
+def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     """The reference plan of DESIGN.md for ``qnn/onnx`` and ``qnn/onnx_qdq``. ``fmt`` picks
     the ONNX flavour when a custom format builds on this pipeline (default: the request's)."""
     fmt = fmt or request.format
@@ -310,7 +227,7 @@ def build_qnn_pipeline(request: ExportRequest, fmt: str | None = None) -> Pipeli
             f"unknown format '{fmt}' for target qnn; known: {', '.join(FORMATS)} "
             "(a custom format passes fmt= to build_qnn_pipeline)"
         )
-    opts = request.qnn_options()
+    opts = coerce_options(QnnOnnxOptions, request.options, request.target)
     p = Pipeline(name=f"{request.target}/{request.format}")
     cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
     source = cap
@@ -369,6 +286,7 @@ def build_qnn_pipeline(request: ExportRequest, fmt: str | None = None) -> Pipeli
             ref = p.register_stage(reference_from_model, "reference", reads=("input", "samples"))
         check = check_numerics_float if fmt == "onnx" else check_numerics_qdq
         p.register_stage(check, "check_numerics", reads=("samples",)).depends_on(bound, enc, ref)
+        p.reports["numerics"] = "check_numerics"
     return p
 
 

@@ -1,0 +1,58 @@
+"""Reference outputs for the numerics checks of every target, and how errors are measured.
+
+The reference is the quantized torch model (or the PT2E-quantized program) run on the sample
+inputs; each target compares what its runtime computes (onnxruntime, ExecuTorch) with it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from graphbuild.frontend.capture import as_args
+from graphbuild.frontend.devices import model_device, to_device
+
+__all__ = ["output_errors", "reference_from_model", "reference_from_program", "sqnr_db"]
+
+
+def sqnr_db(reference: np.ndarray, actual: np.ndarray) -> float:
+    """Signal-to-quantization-noise ratio of ``actual`` against ``reference``, in dB."""
+    noise = float(np.sum((reference.astype(np.float64) - actual) ** 2))
+    signal = float(np.sum(reference.astype(np.float64) ** 2))
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def output_errors(reference: np.ndarray, actual: np.ndarray) -> dict[str, float]:
+    """Max absolute error and SQNR of one output against its reference."""
+    actual = np.asarray(actual, dtype=np.float32).reshape(reference.shape)
+    err = float(np.max(np.abs(reference - actual))) if reference.size else 0.0
+    return {"max_abs_error": err, "sqnr_db": sqnr_db(reference, actual)}
+
+
+def reference_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Outputs of the (fake-quantized) torch model on the sample inputs."""
+    model = context.input
+    with torch.no_grad():
+        out = model(*to_device(as_args(samples), model_device(model)))
+    return _outputs_dict(out)
+
+
+def reference_from_program(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Outputs of the PT2E-quantized program on the sample inputs."""
+    (program,) = inputs
+    with torch.no_grad():
+        out = program.program.module()(*to_device(as_args(samples), "cpu"))
+    return _outputs_dict(out)
+
+
+def _outputs_dict(out: Any) -> dict[str, torch.Tensor]:
+    leaves, _ = torch.utils._pytree.tree_flatten(out)
+    tensors = [t.detach().cpu().float().contiguous() for t in leaves if isinstance(t, torch.Tensor)]
+    return {f"{i:04d}": t for i, t in enumerate(tensors)}

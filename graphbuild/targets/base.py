@@ -1,0 +1,132 @@
+"""The target seam: what a target declares so that config, CLI and API need no target names.
+
+A target (``qnn``, ``executorch``, or one a user registers) is a ``Target`` value: its name,
+formats, options dataclass, the ``[options]`` keys a config file may set and their types, the
+quantizer preset names it knows, and the function that builds its pipeline. ``config.py``
+validates ``[options]`` against ``config_schema``, ``ExportRequest`` turns whatever options it
+is given into ``options_type`` with ``make_options``, and ``graphbuild targets`` lists them.
+
+Declaring a target must stay cheap: a warm export imports the target's package to read this
+declaration, so heavy libraries (torchao, executorch) are imported by its stages, not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from graphbuild.errors import ConfigError
+
+if TYPE_CHECKING:
+    from graphbuild.engine.pipeline import Pipeline
+
+__all__ = [
+    "BOOL",
+    "INT",
+    "STR",
+    "STRS",
+    "OptionType",
+    "PipelineBuilder",
+    "Request",
+    "Target",
+    "coerce_options",
+]
+
+
+@dataclass(frozen=True)
+class OptionType:
+    """The type a config value must have: a check, and how to say it in an error message."""
+
+    label: str
+    check: Callable[[Any], bool]
+
+    def accepts(self, value: Any) -> bool:
+        return bool(self.check(value))
+
+
+STR = OptionType("a string", lambda v: isinstance(v, str))
+INT = OptionType("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
+BOOL = OptionType("true or false", lambda v: isinstance(v, bool))
+STRS = OptionType(
+    "a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)
+)
+
+
+class Request(Protocol):
+    """What a pipeline builder reads of an export request (``graphbuild.api.ExportRequest``)."""
+
+    target: str
+    format: str
+    model_name: str
+    options: Any
+
+
+#: Builds the pipeline for an export request and a format.
+PipelineBuilder = Callable[[Request, str], "Pipeline"]
+
+
+def coerce_options(options_type: type, options: Any, target: str) -> Any:
+    """``options`` as ``options_type``: None gives the defaults, a mapping gives keyword
+    arguments, an instance is taken as it is; anything else is a ConfigError naming the target
+    and the keys it knows."""
+    if options is None:
+        return options_type()
+    if isinstance(options, options_type):
+        return options
+    names = [f.name for f in fields(options_type)]
+    if isinstance(options, Mapping):
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {', '.join(unknown)} for target '{target}'; known: "
+                f"{', '.join(names)}"
+            )
+        return options_type(**options)
+    raise ConfigError(
+        f"options for target '{target}' must be {options_type.__name__} or a dict, "
+        f"not {type(options).__name__}"
+    )
+
+
+@dataclass(frozen=True)
+class Target:
+    """One export target, as config, CLI, API and ``graphbuild targets`` see it.
+
+    ``options_type`` is a dataclass with a ``to_context()`` method returning the stage context
+    (one key per option, which stages declare as ``ctx.<name>`` reads). ``config_schema`` names
+    the keys a config file's ``[options]`` table may set for this target. ``presets`` are the
+    quantizer preset names the target registers, known without importing its quantizers.
+    """
+
+    name: str
+    description: str
+    formats: tuple[str, ...]
+    options_type: type
+    build_pipeline: PipelineBuilder
+    config_schema: Mapping[str, OptionType] = field(default_factory=dict)
+    presets: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.formats:
+            raise ConfigError(f"target '{self.name}' declares no formats")
+        if not is_dataclass(self.options_type):
+            raise ConfigError(f"target '{self.name}': options_type must be a dataclass")
+
+    @property
+    def default_format(self) -> str:
+        return self.formats[0]
+
+    def option_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self.options_type))
+
+    def make_options(self, options: Any) -> Any:
+        """``options`` (None, a mapping or an instance) as this target's options dataclass."""
+        return coerce_options(self.options_type, options, self.name)
+
+    def check_format(self, fmt: str) -> None:
+        """A ConfigError naming the known formats when ``fmt`` is not one of them."""
+        if fmt not in self.formats:
+            raise ConfigError(
+                f"unknown format '{fmt}' for target {self.name}; known: {', '.join(self.formats)}"
+            )

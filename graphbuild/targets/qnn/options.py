@@ -1,0 +1,67 @@
+"""The QNN target's options: one dataclass, the formats, and the keys a config file may set."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from graphbuild.errors import ConfigError
+from graphbuild.targets.base import BOOL, INT, STR, STRS, OptionType
+
+FORMATS = ("onnx", "onnx_qdq")
+ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
+
+
+@dataclass
+class QnnOnnxOptions:
+    """Options of the QNN export; each becomes one context key that stages declare.
+
+    ``quantizer`` is a preset name (``w8a8``, ``w8a16``, ``w4a16``) or a torchao
+    ``Quantizer``; with it graphbuild runs PT2E on ``calibration`` (batches of positional
+    inputs). Without it the model is taken as already quantized (fake-quant or q/dq ops).
+    """
+
+    opset: int = 21
+    encodings_version: str = "1.0.0"
+    input_names: Sequence[str] | None = None
+    output_names: Sequence[str] | None = None
+    external_data: bool | None = None
+    fake_quantize_weights: bool = True
+    quantizer: Any = None
+    calibration: Sequence[Any] | None = None
+    check_numerics: bool = False
+
+    def __post_init__(self) -> None:
+        if self.encodings_version not in ENCODINGS_VERSIONS:
+            raise ConfigError(
+                f"unknown encodings version '{self.encodings_version}'; "
+                f"known: {', '.join(ENCODINGS_VERSIONS)}"
+            )
+        if not isinstance(self.opset, int) or not 13 <= self.opset <= 23:
+            raise ConfigError(f"opset must be an integer from 13 to 23, not {self.opset!r}")
+
+    def to_context(self) -> dict[str, Any]:
+        # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
+        ctx = {f.name: getattr(self, f.name) for f in fields(self)}
+        ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
+        for key in ("input_names", "output_names"):
+            if ctx[key] is not None:
+                ctx[key] = list(ctx[key])
+        return ctx
+
+
+#: The quantizer presets ``preset.py`` registers, named here so that reading a config needs
+#: no torchao import (tests/test_targets.py checks the two agree).
+PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16")
+
+#: What a config file's ``[options]`` table may set for the qnn target.
+CONFIG_SCHEMA: dict[str, OptionType] = {
+    "opset": INT,
+    "encodings_version": STR,
+    "input_names": STRS,
+    "output_names": STRS,
+    "external_data": BOOL,
+    "fake_quantize_weights": BOOL,
+    "check_numerics": BOOL,
+}

@@ -1,0 +1,226 @@
+"""The ExecuTorch target end to end: `.pte` files run in ExecuTorch's runtime, shared capture
+entries with the QNN target, the rerun table, and clear errors.
+
+Needs the ``executorch`` extra; skipped without it.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphbuild as gb
+from examples import convnet, tiny_decoder
+from graphbuild.errors import ConfigError
+
+pytest.importorskip("executorch.exir", reason="needs the executorch extra")
+
+from graphbuild.targets.executorch.runtime import run_pte  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> gb.Cache:
+    return gb.Cache(tmp_path_factory.mktemp("cache"))
+
+
+def export(model, samples, out: Path, cache, fmt="xnnpack", **options) -> gb.ExportArtifacts:
+    options.setdefault("check_numerics", True)
+    return gb.export(
+        model, samples, out, "model", target="executorch", format=fmt, options=options, cache=cache
+    )
+
+
+def sqnr(art: gb.ExportArtifacts) -> float:
+    outputs = art.report.extra["numerics"]["outputs"]
+    assert outputs, "the numerics check compared no output"
+    return min(o["sqnr_db"] for o in outputs)
+
+
+def ran(art: gb.ExportArtifacts) -> set[str]:
+    return {s for s, status in art.report.statuses.items() if status == "ran"}
+
+
+def test_convnet_fp32_pte_runs_in_the_executorch_runtime_like_torch(tmp_path, cache):
+    model, samples = convnet.build()
+    art = export(model, samples, tmp_path, cache)
+    pte = tmp_path / "model.pte"
+    assert art.files["pte"] == pte and pte.read_bytes()[4:8] == b"ET12"  # flatbuffer id
+    out = run_pte(pte.read_bytes(), samples)[0]
+    torch.testing.assert_close(out, model(*samples), atol=1e-5, rtol=1e-4)
+    assert sqnr(art) > 80
+
+
+def test_xnnpack_delegates_and_the_report_says_what(tmp_path, cache):
+    model, samples = convnet.build()
+    summary = export(model, samples, tmp_path, cache).report.extra["delegation"]
+    assert summary["delegated_subgraphs"] >= 1 and summary["delegated_ops"] > 0
+    convs = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    assert summary["ops"]["aten_convolution_default"] == {"delegated": convs, "portable": 0}
+
+
+def test_portable_format_delegates_nothing_and_still_runs(tmp_path, cache):
+    model, samples = convnet.build()
+    art = export(model, samples, tmp_path, cache, fmt="portable")
+    assert art.report.extra["delegation"]["delegated_ops"] == 0
+    assert sqnr(art) > 80
+
+
+def test_int8_static_recipe_calibrates_and_stays_close_to_the_float_model(tmp_path, cache):
+    model, samples = convnet.build()
+    art = export(
+        model,
+        samples,
+        tmp_path,
+        cache,
+        recipe="xnnpack_int8_static",
+        calibration=convnet.calibration(),
+    )
+    assert art.report.statuses["quantize"] == "ran" or art.report.statuses["quantize"] == "hit"
+    assert sqnr(art) > 30  # against the quantized program
+    out = run_pte((tmp_path / "model.pte").read_bytes(), samples)[0]
+    with torch.no_grad():
+        ref = model(*samples)
+    noise = (out - ref).pow(2).sum() / ref.pow(2).sum()
+    assert float(10 * torch.log10(1 / noise)) > 20  # int8 against float: close, not equal
+    assert (out - ref).abs().max() > 0
+
+
+def test_int8_dynamic_recipe_exports_and_runs(tmp_path, cache):
+    model, samples = convnet.build()
+    art = export(model, samples, tmp_path, cache, recipe="xnnpack_int8_dynamic")
+    assert art.report.extra["delegation"]["delegated_ops"] > 0
+    assert sqnr(art) > 20
+
+
+def test_second_export_is_all_hits_and_rewrites_nothing(tmp_path, cache):
+    model, samples = convnet.build()
+    export(model, samples, tmp_path, cache)
+    before = (tmp_path / "model.pte").stat().st_mtime_ns
+    art = export(model, samples, tmp_path, cache)
+    assert set(art.report.statuses.values()) == {"hit"}
+    assert (tmp_path / "model.pte").stat().st_mtime_ns == before
+
+
+def test_capture_is_shared_with_the_qnn_target(tmp_path):
+    model, samples = convnet.build()
+    shared = gb.Cache(tmp_path / "cache")
+    gb.export(model, samples, tmp_path / "qnn", "model", cache=shared)
+    art = export(model, samples, tmp_path / "et", shared)
+    assert art.report.statuses["capture"] == "hit"
+
+
+# --------------------------------------------------------------------------- rerun table
+
+
+def test_weights_only_change_relowers_without_a_retrace(tmp_path, cache):
+    model, samples = convnet.build()
+    export(model, samples, tmp_path, cache)
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.conv1.weight.mul_(1.5)
+    art = export(changed, samples, tmp_path, cache)
+    assert art.report.statuses["capture"] == "hit"
+    assert {"lower", "pte"} <= ran(art)
+    torch.testing.assert_close(
+        run_pte((tmp_path / "model.pte").read_bytes(), samples)[0],
+        changed(*samples),
+        atol=1e-5,
+        rtol=1e-4,
+    )
+
+
+def test_weights_only_change_under_a_recipe_requantizes_without_a_retrace(tmp_path, cache):
+    model, samples = convnet.build()
+    opts = dict(recipe="xnnpack_int8_static", calibration=convnet.calibration())
+    export(model, samples, tmp_path, cache, **opts)
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.conv2.weight.mul_(0.5)
+    art = export(changed, samples, tmp_path, cache, **opts)
+    assert art.report.statuses["capture"] == "hit"
+    assert {"quantize", "lower", "pte"} <= ran(art)
+
+
+def test_recipe_change_reruns_from_quantize(tmp_path):
+    model, samples = convnet.build()
+    cache = gb.Cache(tmp_path / "cache")
+    export(model, samples, tmp_path, cache, recipe="xnnpack_int8_static")
+    art = export(model, samples, tmp_path, cache, recipe="xnnpack_int8_dynamic")
+    assert art.report.statuses["capture"] == "hit"
+    assert {"quantize", "lower", "pte"} <= ran(art)
+
+
+def test_calibration_change_reruns_quantize_only_downstream(tmp_path, cache):
+    model, samples = convnet.build()
+    export(
+        model,
+        samples,
+        tmp_path,
+        cache,
+        recipe="xnnpack_int8_static",
+        calibration=convnet.calibration(seed=1),
+    )
+    art = export(
+        model,
+        samples,
+        tmp_path,
+        cache,
+        recipe="xnnpack_int8_static",
+        calibration=convnet.calibration(seed=2),
+    )
+    assert art.report.statuses["capture"] == "hit" and "quantize" in ran(art)
+
+
+@pytest.mark.slow
+def test_tiny_decoder_int8_static_runs_in_the_runtime(tmp_path, cache):
+    model, samples = tiny_decoder.build()
+    art = export(
+        model,
+        samples,
+        tmp_path,
+        cache,
+        recipe="xnnpack_int8_static",
+        calibration=tiny_decoder.calibration(),
+    )
+    assert sqnr(art) > 30
+
+
+def test_tiny_decoder_fp32_runs_in_the_runtime(tmp_path, cache):
+    model, samples = tiny_decoder.build()
+    art = export(model, samples, tmp_path, cache)
+    assert sqnr(art) > 80
+    assert art.report.extra["delegation"]["delegated_ops"] > 0
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_recipe_lists_the_known_ones(tmp_path):
+    model, samples = convnet.build()
+    with pytest.raises(ConfigError, match="unknown ExecuTorch recipe 'int3'.*xnnpack_int8_static"):
+        export(model, samples, tmp_path, False, recipe="int3")
+
+
+def test_a_qnn_preset_is_refused_with_a_pointer_to_recipes(tmp_path):
+    model, samples = convnet.build()
+    with pytest.raises(ConfigError, match="takes no quantizer preset.*recipe"):
+        export(model, samples, tmp_path, False, quantizer="w8a16")
+
+
+def test_unknown_option_names_the_target_and_its_options(tmp_path):
+    model, samples = convnet.build()
+    with pytest.raises(ConfigError, match="unknown option.*opset.*target 'executorch'.*recipe"):
+        export(model, samples, tmp_path, False, opset=17)
+
+
+def test_vgf_without_arms_tools_names_what_to_install(tmp_path):
+    from graphbuild.targets.executorch.lowering import _vgf_missing
+
+    if _vgf_missing() is None:
+        pytest.skip("Arm's VGF tools are installed here")
+    model, samples = convnet.build()
+    with pytest.raises(ConfigError, match=r"graphbuild\[vgf\]"):
+        export(model, samples, tmp_path, False, fmt="vgf")
