@@ -224,3 +224,30 @@ def test_vgf_without_arms_tools_names_what_to_install(tmp_path):
     model, samples = convnet.build()
     with pytest.raises(ConfigError, match=r"graphbuild\[vgf\]"):
         export(model, samples, tmp_path, False, fmt="vgf")
+
+
+def test_vgf_exports_int8_with_arms_quantizer_when_the_tools_are_installed(tmp_path):
+    from graphbuild.targets.executorch.lowering import _vgf_missing
+
+    missing = _vgf_missing()
+    if missing is not None:
+        pytest.skip(f"Arm's VGF tools are not usable here: {missing}")
+    model, samples = convnet.build()
+    art = export(
+        model,
+        samples,
+        tmp_path,
+        False,
+        fmt="vgf",
+        recipe="int8_static",
+        check_numerics=False,
+        calibration=convnet.calibration(),
+    )
+    assert (tmp_path / "model.pte").stat().st_size > 0
+    assert art.report.extra["delegation"]["delegated_ops"] > 0
+
+
+def test_vgf_numerics_check_is_refused_with_the_reason(tmp_path):
+    model, samples = convnet.build()
+    with pytest.raises(ConfigError, match="VGF delegate needs a Vulkan device|graphbuild\\[vgf\\]"):
+        export(model, samples, tmp_path, False, fmt="vgf", check_numerics=True)

@@ -13,12 +13,15 @@ from graphbuild.targets.base import BOOL, STR, OptionType
 #: portable kernels only (no delegate); ``vgf``: Arm's VGF flow (needs the Arm tools).
 FORMATS = ("xnnpack", "portable", "vgf")
 
-#: Recipe name -> what it does. ``fp32`` lowers the float model; the others quantize it with
-#: ExecuTorch's XNNPACK PT2E quantizer (symmetric int8, per output channel) first.
+#: Recipe name -> what it does. ``fp32`` lowers the float model; the others quantize it first
+#: with the format's PT2E quantizer (symmetric int8 weights, per output channel).
 RECIPES: dict[str, str] = {
     "fp32": "float32, no quantization",
-    "xnnpack_int8_static": "int8 weights per channel and activations per tensor, calibrated",
-    "xnnpack_int8_dynamic": "int8 weights per channel, activations quantized at run time",
+    "int8_static": "int8 weights per channel and activations per tensor, calibrated, with the "
+    "format's quantizer (XNNPACK's, or Arm's for vgf)",
+    "int8_dynamic": "int8 weights per channel, activations quantized at run time",
+    "xnnpack_int8_static": "int8_static, as ExecuTorch's XNNPACK recipe names it",
+    "xnnpack_int8_dynamic": "int8_dynamic, as ExecuTorch's XNNPACK recipe names it",
 }
 
 

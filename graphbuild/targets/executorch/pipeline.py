@@ -33,7 +33,7 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     from graphbuild.targets.executorch.recipes import recipe_quantizer
 
     (captured,) = inputs
-    quantizer = context["quantizer"] or recipe_quantizer(context["recipe"])
+    quantizer = context["quantizer"] or recipe_quantizer(context["recipe"], context["format"])
     calibration = context["calibration"] or [as_args(samples)]
     program = quantize_program(
         captured.program,
@@ -98,6 +98,11 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
         )
     require_format(fmt)
     opts = coerce_options(ExecuTorchOptions, request.options, request.target)
+    if opts.check_numerics and fmt == "vgf":
+        raise ConfigError(
+            "check_numerics runs the .pte here, and the VGF delegate needs a Vulkan device with "
+            "Arm's ML extensions: export vgf without check_numerics, or check the xnnpack format"
+        )
     p = Pipeline(name=f"{request.target}/{fmt}")
     cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
     lower_reads = ("ctx.format", "ctx.model_name")
@@ -108,6 +113,7 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
             reads=(
                 "input.state",
                 "ctx.recipe",
+                "ctx.format",
                 "ctx.quantizer",
                 "ctx.calibration",
                 "samples.spec",
