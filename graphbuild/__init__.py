@@ -22,6 +22,7 @@ __all__ = [
     "Cache",
     "ConfigError",
     "EventKind",
+    "ExecuTorchOptions",
     "ExportArtifacts",
     "ExportError",
     "ExportRequest",
@@ -52,6 +53,7 @@ _LAZY = {
     "PipelineRegistry": "targets.registry",
     "build_default_registry": "targets.registry",
     "QnnOnnxOptions": "targets.qnn",
+    "ExecuTorchOptions": "targets.executorch",
 }
 
 

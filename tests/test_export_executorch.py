@@ -251,3 +251,96 @@ def test_vgf_numerics_check_is_refused_with_the_reason(tmp_path):
     model, samples = convnet.build()
     with pytest.raises(ConfigError, match="VGF delegate needs a Vulkan device|graphbuild\\[vgf\\]"):
         export(model, samples, tmp_path, False, fmt="vgf", check_numerics=True)
+
+
+# --------------------------------------------------------------------------- methods, shapes
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x))
+
+
+def _two_heads():
+    torch.manual_seed(0)
+    return _TwoHeads().eval(), (torch.randn(2, 8),)
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "int8_static"])
+def test_multi_method_program_has_every_method_and_constant(tmp_path, recipe):
+    from executorch.runtime import Runtime
+
+    model, samples = _two_heads()
+    x = torch.randn(3, 8)  # the method's sample input, its calibration under int8
+    export(
+        model,
+        samples,
+        tmp_path,
+        gb.Cache(tmp_path / "c"),
+        recipe=recipe,
+        methods={"encode": (x,)},
+        constant_methods={"max_batch": 3},
+    )
+    program = Runtime.get().load_program((tmp_path / "model.pte").read_bytes())
+    assert set(program.method_names) == {"forward", "encode", "max_batch"}
+    encoded = program.load_method("encode").execute([x])[0]
+    with torch.no_grad():
+        expected = model.encode(x)
+    tolerance = 1e-5 if recipe == "fp32" else 0.1
+    torch.testing.assert_close(encoded, expected, atol=tolerance, rtol=tolerance)
+    assert program.load_method("max_batch").execute([])[0] == 3
+
+
+def test_multi_method_weights_change_recaptures_nothing(tmp_path):
+    model, samples = _two_heads()
+    cache = gb.Cache(tmp_path / "c")
+    methods = {"encode": (torch.randn(3, 8),)}
+    export(model, samples, tmp_path, cache, methods=methods)
+    with torch.no_grad():
+        model.body.weight.add_(0.5)
+    art = export(model, samples, tmp_path, cache, methods=methods)
+    assert art.report.statuses["capture"] == "hit"
+    assert art.report.statuses["capture_methods"] == "hit"
+    assert "lower" in ran(art)
+
+
+def test_a_missing_method_is_named(tmp_path):
+    model, samples = _two_heads()
+    with pytest.raises(gb.StageError, match="no method 'decode'"):
+        export(model, samples, tmp_path, False, methods={"decode": samples})
+
+
+def test_dynamic_dims_give_a_program_that_runs_at_other_batch_sizes(tmp_path):
+    model, samples = _two_heads()
+    export(model, samples, tmp_path, gb.Cache(tmp_path / "c"), dynamic_dims=[{0: ["batch", 1, 16]}])
+    pte = (tmp_path / "model.pte").read_bytes()
+    for batch in (1, 5, 16):
+        x = torch.randn(batch, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(run_pte(pte, (x,))[0], model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_dynamic_dims_from_a_config_file_use_string_dims(tmp_path):
+    from graphbuild.config import load_config
+
+    (tmp_path / "graphbuild.toml").write_text(
+        'model = "m.py:build"\ntarget = "executorch"\n'
+        '[options]\ndynamic_dims = [{"0" = ["batch", 1, 8]}]\n'
+    )
+    options = load_config(cwd=tmp_path).export_options()
+    assert options.to_context()["dynamic_dims"] == [[[0, "batch", 1, 8]]]
+
+
+def test_malformed_dynamic_dims_are_a_config_error():
+    from graphbuild.targets.executorch import ExecuTorchOptions
+
+    with pytest.raises(ConfigError, match=r"dynamic_dims\[0\]\[0\] must be \[name, min, max\]"):
+        ExecuTorchOptions(dynamic_dims=[{0: "batch"}])

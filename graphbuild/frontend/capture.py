@@ -20,14 +20,17 @@ def as_args(samples: Any) -> tuple:
     return (samples,)
 
 
-def capture_program(model: torch.nn.Module, samples: Any) -> ProgramArtifact:
+def capture_program(
+    model: torch.nn.Module, samples: Any, dynamic_shapes: Any = None
+) -> ProgramArtifact:
     """Trace ``model`` on ``samples``; the artifact keeps the graph and constants, and
     placeholders for parameters and buffers (the graph does not depend on their values).
 
     A model off the CPU is traced on CPU stand-ins (``devices.on_cpu``), so the program is the
     same as the CPU model's, whatever device the model and the samples live on."""
     with on_cpu(model):
-        program = torch.export.export(model, to_device(as_args(samples), "cpu"))
+        args = to_device(as_args(samples), "cpu")
+        program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     strip_stack_traces(program)
     return roundtrip(ProgramArtifact(strip_state(program), has_state=False))
 

@@ -4,6 +4,7 @@ partitioner, ``to_executorch``, and a summary of what the delegate took."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from typing import Any
 
 from torch.export import ExportedProgram
@@ -61,30 +62,43 @@ def _partitioners(fmt: str) -> list[Any]:
     raise ConfigError(f"unknown executorch format '{fmt}'")
 
 
-def lower_to_pte(program: ExportedProgram, fmt: str) -> tuple[bytes, dict[str, Any]]:
-    """The ``.pte`` bytes of ``program`` for ``fmt``, and the delegation summary: operators
-    the delegate runs and those left to portable kernels, by name."""
+def lower_to_pte(
+    programs: Mapping[str, ExportedProgram],
+    fmt: str,
+    constant_methods: Mapping[str, Any] | None = None,
+) -> tuple[bytes, dict[str, Any]]:
+    """The ``.pte`` bytes of ``programs`` (method name -> program) for ``fmt``, with
+    ``constant_methods`` baked in, and the delegation summary over all methods: operators the
+    delegate runs and those left to portable kernels, by name."""
     require_format(fmt)
     from executorch.devtools.backend_debug import get_delegation_info
     from executorch.exir import to_edge_transform_and_lower
 
     try:
-        edge = to_edge_transform_and_lower(program, partitioner=_partitioners(fmt))
-        info = get_delegation_info(edge.exported_program().graph_module)
+        edge = to_edge_transform_and_lower(
+            dict(programs),
+            partitioner=_partitioners(fmt),
+            constant_methods=dict(constant_methods) if constant_methods else None,
+        )
+        infos = [get_delegation_info(edge.exported_program(m).graph_module) for m in programs]
         pte = edge.to_executorch().buffer
     except Exception as err:
         raise ExportError(
             f"lower: ExecuTorch could not lower the program for '{fmt}': "
             f"{type(err).__name__}: {err}"
         ) from err
+    ops: dict[str, dict[str, int]] = {}
+    for info in infos:
+        for name, row in info.delegation_by_operator.items():
+            entry = ops.setdefault(name, {"delegated": 0, "portable": 0})
+            entry["delegated"] += int(row.delegated)
+            entry["portable"] += int(row.non_delegated)
     summary = {
         "format": fmt,
-        "delegated_subgraphs": int(info.num_delegated_subgraphs),
-        "delegated_ops": int(info.num_delegated_nodes),
-        "portable_ops": int(info.num_non_delegated_nodes),
-        "ops": {
-            name: {"delegated": int(row.delegated), "portable": int(row.non_delegated)}
-            for name, row in sorted(info.delegation_by_operator.items())
-        },
+        "methods": sorted(programs),
+        "delegated_subgraphs": sum(int(i.num_delegated_subgraphs) for i in infos),
+        "delegated_ops": sum(int(i.num_delegated_nodes) for i in infos),
+        "portable_ops": sum(int(i.num_non_delegated_nodes) for i in infos),
+        "ops": dict(sorted(ops.items())),
     }
     return bytes(pte), summary

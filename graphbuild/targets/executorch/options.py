@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,12 +33,23 @@ class ExecuTorchOptions:
     ``Quantizer``) replaces the recipe's, for a custom scheme; ``calibration`` is a list of
     batches of positional inputs for static recipes (the sample inputs when absent).
     ``check_numerics`` runs the ``.pte`` in ExecuTorch's runtime against the torch model.
+
+    A multi-method program: ``methods`` maps the name of another method of the model (say
+    ``"encode"``) to its sample inputs; each becomes a method of the ``.pte`` beside
+    ``forward`` (calibrated on its own sample inputs under a static recipe).
+    ``constant_methods`` maps names to values the program returns as they are (ExecuTorch's
+    constant methods, e.g. ``{"max_seq_len": 128}``). ``dynamic_dims`` makes dimensions of
+    ``forward``'s inputs dynamic: one entry per positional input, None or ``{dim: [name, min,
+    max]}``; dimensions sharing a name are equal.
     """
 
     recipe: str = "fp32"
     quantizer: Any = None
     calibration: Sequence[Any] | None = None
     check_numerics: bool = False
+    methods: Mapping[str, Any] | None = None
+    constant_methods: Mapping[str, Any] | None = None
+    dynamic_dims: Sequence[Mapping[Any, Sequence[Any]] | None] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.quantizer, str):
@@ -50,6 +61,16 @@ class ExecuTorchOptions:
             raise ConfigError(
                 f"unknown ExecuTorch recipe '{self.recipe}'; known: {', '.join(RECIPES)}"
             )
+        for name in (*(self.methods or {}), *(self.constant_methods or {})):
+            if not isinstance(name, str) or not name.isidentifier() or name == "forward":
+                raise ConfigError(
+                    f"method name {name!r} must be a Python identifier other than 'forward'"
+                )
+        overlap = set(self.methods or {}) & set(self.constant_methods or {})
+        if overlap:
+            raise ConfigError(f"{sorted(overlap)} named as both a method and a constant method")
+        if self.dynamic_dims is not None:
+            canonical_dims(self.dynamic_dims)  # raises on a malformed spec
 
     @property
     def quantized(self) -> bool:
@@ -58,8 +79,45 @@ class ExecuTorchOptions:
     def to_context(self) -> dict[str, Any]:
         ctx = {f.name: getattr(self, f.name) for f in fields(self)}
         ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
+        ctx["methods"] = dict(sorted(self.methods.items())) if self.methods else None
+        constants = self.constant_methods
+        ctx["constant_methods"] = dict(sorted(constants.items())) if constants else None
+        dims = self.dynamic_dims
+        ctx["dynamic_dims"] = canonical_dims(dims) if dims is not None else None
         return ctx
 
 
+def canonical_dims(spec: Sequence[Any]) -> list[list[list[Any]] | None]:
+    """``dynamic_dims`` as plain, ordered data: per input None or ``[[dim, name, min, max],
+    ...]`` sorted by dim (config files give dims as strings; they become integers)."""
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence):
+        raise ConfigError("dynamic_dims must be a list with one entry per positional input")
+    out: list[list[list[Any]] | None] = []
+    for index, entry in enumerate(spec):
+        if entry is None:
+            out.append(None)
+            continue
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"dynamic_dims[{index}] must be None or {{dim: [name, min, max]}}")
+        dims = []
+        for dim, bound in entry.items():
+            try:
+                name, low, high = bound
+                dims.append([int(dim), str(name), int(low), int(high)])
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"dynamic_dims[{index}][{dim!r}] must be [name, min, max], got {bound!r}"
+                ) from None
+        out.append(sorted(dims) or None)
+    return out
+
+
 #: What a config file's ``[options]`` table (and ``--set``) may set for the executorch target.
-CONFIG_SCHEMA: dict[str, OptionType] = {"recipe": STR, "check_numerics": BOOL}
+CONFIG_SCHEMA: dict[str, OptionType] = {
+    "recipe": STR,
+    "check_numerics": BOOL,
+    "dynamic_dims": OptionType(
+        "a list with one entry per input: {} or {dim = [name, min, max]}",
+        lambda v: isinstance(v, list) and all(isinstance(e, dict) for e in v),
+    ),
+}

@@ -2,68 +2,164 @@
 
 ::
 
-    capture -> [quantize] -> lower -> pte
-                  |            +----> delegation
-                  +-> reference -> check_numerics (with the pte)
+    capture ---------+-> [quantize] -> lower -> pte
+    [capture_methods]+        |           +---> delegation
+                              +-> reference -> check_numerics (with the pte)
 
 ``capture`` is the front end's shared stage: the same cache entry as the QNN target's for the
-same model and sample spec. ``quantize`` runs the recipe's PT2E quantizer (values enter
-there); without one, ``lower`` reads the model's weights itself. A weights-only change reruns
-``quantize`` (or ``lower``), never ``capture``; a recipe change reruns from ``quantize``.
+same model and sample spec (with ``dynamic_dims`` it also reads them). ``capture_methods``
+traces the other methods of a multi-method program. ``quantize`` runs the recipe's PT2E
+quantizer (values enter there); without one, ``lower`` reads the model's weights itself. A
+weights-only change reruns ``quantize`` (or ``lower``), never a capture; a recipe change reruns
+from ``quantize``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+import torch
 
 from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.frontend.capture import as_args, capture
+from graphbuild.errors import ConfigError
+from graphbuild.frontend.capture import as_args, capture, capture_program
 from graphbuild.frontend.devices import host_state
-from graphbuild.frontend.programs import ProgramArtifact, with_state
+from graphbuild.frontend.programs import (
+    ProgramArtifact,
+    with_state,
+)
 from graphbuild.frontend.reference import reference_from_model, reference_from_program
 from graphbuild.targets.base import Request, coerce_options
 from graphbuild.targets.executorch.options import FORMATS, ExecuTorchOptions
 
+#: State names of a method's program: the model is the ``model`` child of the method wrapper.
+_METHOD_PREFIX = "model."
 
-def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
-    """PT2E quantization with the recipe's quantizer (or the user's), calibrated on the
-    calibration batches (the sample inputs when there are none)."""
+
+class _Method(torch.nn.Module):
+    """``model.<name>`` as a module whose ``forward`` it is, for ``torch.export``."""
+
+    def __init__(self, model: torch.nn.Module, name: str):
+        super().__init__()
+        self.model = model
+        self._method = name
+
+    def forward(self, *args: Any) -> Any:
+        return getattr(self.model, self._method)(*args)
+
+
+class _Prefixed(Mapping[str, torch.Tensor]):
+    """``state`` under names with ``prefix`` (a method program's view of the model's state)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], prefix: str):
+        self._state, self._prefix = state, prefix
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if not name.startswith(self._prefix):
+            raise KeyError(name)
+        return self._state[name[len(self._prefix) :]]
+
+    def __iter__(self) -> Iterator[str]:
+        return (self._prefix + name for name in self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def capture_dynamic(model: torch.nn.Module, samples: Any, context: Any) -> ProgramArtifact:
+    """``capture`` with dynamic dimensions (``dynamic_dims``) on ``forward``'s inputs."""
+    shapes = _dynamic_shapes(context["dynamic_dims"], len(as_args(samples)))
+    return capture_program(model, samples, dynamic_shapes=shapes)
+
+
+def capture_methods(model: torch.nn.Module, samples: Any, context: Any) -> tuple:
+    """One structure-only program per extra method, in name order."""
+    programs = []
+    for name, args in context["methods"].items():
+        if not callable(getattr(model, name, None)):
+            raise ConfigError(f"the model has no method '{name}' (options.methods)")
+        programs.append(capture_program(_Method(model, name), as_args(args)))
+    return tuple(programs)
+
+
+def quantize(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """PT2E quantization of every method with the recipe's quantizer (or the user's):
+    ``forward`` calibrated on the calibration batches (the sample inputs when there are
+    none), the other methods on their own sample inputs."""
     from graphbuild.frontend.quantize import quantize_program
     from graphbuild.targets.executorch.recipes import recipe_quantizer
 
-    (captured,) = inputs
-    quantizer = context["quantizer"] or recipe_quantizer(context["recipe"], context["format"])
-    calibration = context["calibration"] or [as_args(samples)]
-    program = quantize_program(
-        captured.program,
-        host_state(context.input),
-        quantizer,
-        calibration,
-        as_args(samples),
-        fold_quantize=True,
-    )
-    return ProgramArtifact(program, has_state=True)
+    def quantizer() -> Any:  # one instance per program: quantizers keep per-graph state
+        return context["quantizer"] or recipe_quantizer(context["recipe"], context["format"])
+
+    state = host_state(context.input)
+    forward = inputs[0].program
+    out = [
+        _quantized(
+            quantize_program,
+            forward,
+            state,
+            quantizer(),
+            context["calibration"] or [as_args(samples)],
+            as_args(samples),
+        )
+    ]
+    methods = inputs[1] if len(inputs) > 1 else ()
+    for (_, args), program in zip((context["methods"] or {}).items(), methods, strict=True):
+        method_state = _Prefixed(state, _METHOD_PREFIX)
+        out.append(
+            _quantized(
+                quantize_program,
+                program.program,
+                method_state,
+                quantizer(),
+                [as_args(args)],
+                as_args(args),
+            )
+        )
+    return tuple(out)
+
+
+def _quantized(quantize_program: Any, program: Any, state: Any, *args: Any) -> ProgramArtifact:
+    return ProgramArtifact(quantize_program(program, state, *args, fold_quantize=True), True)
 
 
 def lower_float(inputs: tuple, samples: Any, context: Any) -> tuple:
-    """The captured program with the model's weights, lowered: (``.pte`` file, summary)."""
-    (captured,) = inputs
-    program = with_state(captured.program, host_state(context.input))
-    return _lower(program, context)
+    """The captured programs with the model's weights, lowered: (``.pte`` file, summary)."""
+    state = host_state(context.input)
+    programs = {"forward": with_state(inputs[0].program, state)}
+    methods = inputs[1] if len(inputs) > 1 else ()
+    for name, program in zip(context["methods"] or {}, methods, strict=True):
+        programs[name] = with_state(program.program, _Prefixed(state, _METHOD_PREFIX))
+    return _lower(programs, context)
 
 
 def lower_quantized(inputs: tuple, samples: Any, context: Any) -> tuple:
-    """The quantized program, lowered: (``.pte`` file, delegation summary)."""
-    (quantized,) = inputs
-    return _lower(quantized.program, context)
+    """The quantized programs, lowered: (``.pte`` file, delegation summary)."""
+    ((forward, *methods),) = inputs
+    programs = {"forward": forward.program}
+    programs.update(
+        (name, p.program) for name, p in zip(context["methods"] or {}, methods, strict=True)
+    )
+    return _lower(programs, context)
 
 
-def _lower(program: Any, context: Any) -> tuple:
+def _lower(programs: dict[str, Any], context: Any) -> tuple:
     from graphbuild.targets.executorch.lowering import lower_to_pte
 
-    pte, summary = lower_to_pte(program, context["format"])
+    pte, summary = lower_to_pte(programs, context["format"], context["constant_methods"])
     return FileArtifact(f"{context['model_name']}.pte", pte), summary
+
+
+def quantized_forward(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
+    """The quantized ``forward`` alone: what the numerics reference runs."""
+    ((forward, *_),) = inputs
+    return forward
 
 
 def pte(inputs: tuple, samples: Any, context: Any) -> FileArtifact:
@@ -79,16 +175,38 @@ def delegation(inputs: tuple, samples: Any, context: Any) -> dict:
 
 
 def check_numerics(inputs: tuple, samples: Any, context: Any) -> dict:
-    """Run the ``.pte`` in ExecuTorch's runtime on the sample inputs; compare with torch."""
+    """Run the ``.pte``'s ``forward`` in ExecuTorch's runtime on the sample inputs; compare
+    with torch."""
     from graphbuild.targets.executorch.runtime import compare_pte
 
     file, reference = inputs
     return compare_pte(file.data, reference, as_args(samples))
 
 
+def _dynamic_shapes(dims: list, inputs: int) -> tuple:
+    """torch.export's ``dynamic_shapes`` from canonical ``dynamic_dims``; one ``Dim`` per name."""
+    if len(dims) != inputs:
+        raise ConfigError(f"dynamic_dims has {len(dims)} entries; forward takes {inputs} inputs")
+    named: dict[str, Any] = {}
+    shapes = []
+    for entry in dims:
+        if entry is None:
+            shapes.append(None)
+            continue
+        spec = {}
+        for dim, name, low, high in entry:
+            if name not in named:
+                named[name] = torch.export.Dim(name, min=low, max=high)
+            spec[dim] = named[name]
+        shapes.append(spec)
+    return tuple(shapes)
+
+
+# --------------------------------------------------------------------------- wiring
+
+
 def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     """The ExecuTorch pipeline for ``request`` in format ``fmt`` (default: the request's)."""
-    from graphbuild.errors import ConfigError
     from graphbuild.targets.executorch.lowering import require_format
 
     fmt = fmt or request.format
@@ -104,8 +222,22 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
             "Arm's ML extensions: export vgf without check_numerics, or check the xnnpack format"
         )
     p = Pipeline(name=f"{request.target}/{fmt}")
-    cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
-    lower_reads = ("ctx.format", "ctx.model_name")
+    if opts.dynamic_dims is None:
+        cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
+    else:
+        cap = p.register_stage(
+            capture_dynamic,
+            "capture",
+            reads=("input.structure", "samples.spec", "ctx.dynamic_dims"),
+        )
+    captures = [cap]
+    if opts.methods:
+        captures.append(
+            p.register_stage(
+                capture_methods, "capture_methods", reads=("input.structure", "ctx.methods")
+            )
+        )
+    lower_reads = ("ctx.format", "ctx.model_name", "ctx.methods", "ctx.constant_methods")
     if opts.quantized:
         source = p.register_stage(
             quantize,
@@ -116,23 +248,25 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
                 "ctx.format",
                 "ctx.quantizer",
                 "ctx.calibration",
+                "ctx.methods",
                 "samples.spec",
                 "samples.values",
             ),
-        ).depends_on(cap)
+        ).depends_on(*captures)
         low = p.register_stage(lower_quantized, "lower", reads=lower_reads).depends_on(source)
     else:
-        source = cap
         low = p.register_stage(lower_float, "lower", reads=("input.state", *lower_reads))
-        low.depends_on(cap)
+        low.depends_on(*captures)
     out = p.register_stage(pte, "pte", reads=()).depends_on(low)
     summary = p.register_stage(delegation, "delegation", reads=()).depends_on(low)
     p.products = [out.name]
     p.reports["delegation"] = summary.name
     if opts.check_numerics:
         if opts.quantized:
+            forward = p.register_stage(quantized_forward, "quantized_forward", reads=())
+            forward.depends_on(source)
             ref = p.register_stage(reference_from_program, "reference", reads=("samples",))
-            ref.depends_on(source)
+            ref.depends_on(forward)
         else:
             ref = p.register_stage(reference_from_model, "reference", reads=("input", "samples"))
         check = p.register_stage(check_numerics, "check_numerics", reads=("samples",))
