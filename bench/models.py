@@ -261,6 +261,9 @@ TINY_DECODER = dict(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, 
 MID_DECODER = dict(
     vocab=32000, hidden=1024, layers=12, heads=16, kv_heads=4, ffn=2816, seq=32
 )  # ~168M parameters (tied embedding counted once), ~0.67 GB of fp32
+LARGE_DECODER = dict(
+    vocab=32000, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=5632, seq=32
+)  # ~787M parameters, 3.1 GB of fp32: needs about 32 GiB of memory for the whole bench
 
 
 @dataclass
@@ -298,6 +301,7 @@ MODELS: dict[str, Callable[[], BenchModel]] = {
     "convnet": _convnet,
     "tiny_decoder": lambda: _decoder("tiny_decoder", TINY_DECODER),
     "mid_decoder": lambda: _decoder("mid_decoder", MID_DECODER),
+    "large_decoder": lambda: _decoder("large_decoder", LARGE_DECODER),
 }
 
 
