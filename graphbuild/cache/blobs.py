@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from graphbuild.cache.names import is_digest
 from graphbuild.engine.hashing import Hasher, digest_bytes
 
 _CHUNK = 8 << 20
+_SHARD = re.compile(r"[0-9a-f]{2}")
+_REST = re.compile(r"[0-9a-f]{30}")
+_TEMP = re.compile(r"[0-9a-f]{8}\.[A-Za-z0-9_]+\.tmp")
 
 
 class CorruptBlob(Exception):
@@ -18,22 +23,46 @@ class CorruptBlob(Exception):
 
     def __init__(self, digest: str, why: str):
         self.digest = digest
-        super().__init__(f"blob {digest[:16]}... {why}")
+        super().__init__(f"blob {str(digest)[:16]!s}... {why}")
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the platform allows."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class BlobStore:
     """``root/ab/cdef...``: written to a temporary file and renamed into place; read verifies
     the digest. No fsync: a blob that a crash leaves short or empty fails verification on
-    read and is rebuilt, so the cache stays correct without paying for durability."""
+    read and is rebuilt, so the cache stays correct without paying for durability.
+
+    Only 32 lowercase hex digits are a digest: anything else is refused before a path is
+    built, and listing, clearing and collecting see only names this store writes
+    (``ab/`` + 30 hex digits, ``tmp/<8 hex>.<random>.tmp``), never a stray file beside them.
+    Blobs are created with the umask's permissions, so a group-shared directory (``chmod
+    g+s`` and ``umask 002``) stays shared."""
 
     def __init__(self, root: Path):
         self.root = root
         self.tmp = root / "tmp"
 
     def path(self, digest: str) -> Path:
+        if not is_digest(digest):
+            raise ValueError(f"not a blob digest: {str(digest)[:80]!r}")
         return self.root / digest[:2] / digest[2:]
 
     def has(self, digest: str, size: int) -> bool:
+        if not is_digest(digest):
+            return False
         try:
             return self.path(digest).stat().st_size == size
         except OSError:
@@ -48,8 +77,9 @@ class BlobStore:
             return False
         dest.parent.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.tmp, prefix=digest[:8])
+        fd, tmp = tempfile.mkstemp(dir=self.tmp, prefix=digest[:8] + ".", suffix=".tmp")
         try:
+            os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's 0600 would hide it from a group
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, dest)
@@ -60,6 +90,8 @@ class BlobStore:
 
     def read(self, digest: str, size: int | None = None) -> bytes:
         """The blob's bytes, checked against its digest; raises CorruptBlob."""
+        if not is_digest(digest):
+            raise CorruptBlob(str(digest), "is not a digest (32 lowercase hex digits)")
         try:
             data = self.path(digest).read_bytes()
         except OSError as err:
@@ -71,6 +103,8 @@ class BlobStore:
         return data
 
     def verify(self, digest: str) -> bool:
+        if not is_digest(digest):
+            return False
         h = Hasher()
         try:
             with open(self.path(digest), "rb") as src:
@@ -80,31 +114,70 @@ class BlobStore:
             return False
         return h.hexdigest() == digest
 
-    def delete(self, digest: str) -> int:
+    def delete(self, digest: str) -> int | None:
+        """Remove a blob; its size when removed, None when it was absent or could not be
+        removed (a read-only cache): a failed delete frees nothing."""
+        if not is_digest(digest):
+            return None
         p = self.path(digest)
         try:
             size = p.stat().st_size
             p.unlink()
-            return size
         except OSError:
-            return 0
+            return None
+        return size
 
     def all(self) -> Iterator[tuple[str, int, float]]:
-        """Every blob as (digest, size, mtime)."""
-        if not self.root.exists():
+        """Every blob as (digest, size, mtime); names the store does not write are skipped."""
+        try:
+            shards = list(os.scandir(self.root))
+        except OSError:
             return
-        for sub in os.scandir(self.root):
-            if not sub.is_dir() or len(sub.name) != 2:
+        for sub in shards:
+            if not _SHARD.fullmatch(sub.name) or not sub.is_dir(follow_symlinks=False):
                 continue
-            for entry in os.scandir(sub.path):
-                st = entry.stat()
+            try:
+                entries = list(os.scandir(sub.path))
+            except OSError:
+                continue
+            for entry in entries:
+                if not _REST.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
                 yield sub.name + entry.name, st.st_size, st.st_mtime
 
-    def stale_temps(self, older_than: float) -> list[Path]:
-        if not self.tmp.exists():
-            return []
-        return [p for p in self.tmp.iterdir() if p.stat().st_mtime < older_than]
+    def temps(self) -> Iterator[tuple[Path, float]]:
+        """The store's own temporary files, as (path, mtime)."""
+        try:
+            entries = list(os.scandir(self.tmp))
+        except OSError:
+            return
+        for entry in entries:
+            if _TEMP.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                try:
+                    yield Path(entry.path), entry.stat(follow_symlinks=False).st_mtime
+                except OSError:
+                    continue
 
-    def clear(self) -> None:
-        if self.root.exists():
-            shutil.rmtree(self.root)
+    def stale_temps(self, older_than: float) -> list[Path]:
+        return [p for p, mtime in self.temps() if mtime < older_than]
+
+    def clear(self) -> tuple[int, int]:
+        """Remove every blob and temporary file the store wrote, and the shard directories
+        they leave empty; anything else stays. Returns (blobs removed, bytes freed)."""
+        removed = freed = 0
+        for digest, _size, _ in list(self.all()):
+            size = self.delete(digest)
+            if size is not None:
+                removed, freed = removed + 1, freed + size
+        for path, _ in list(self.temps()):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        for sub in (*self.root.glob("[0-9a-f][0-9a-f]"), self.tmp):
+            if _SHARD.fullmatch(sub.name) or sub == self.tmp:
+                with contextlib.suppress(OSError):
+                    sub.rmdir()  # only when empty
+        return removed, freed

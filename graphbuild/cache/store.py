@@ -1,12 +1,19 @@
 """The cache: an action cache (key -> manifest) over a content-addressed blob store.
 
-Reads verify every blob against its digest; a corrupt or missing entry is counted, removed and
-treated as a miss, never an error. Writes are atomic; a cache that cannot be written (read-only
-directory, full disk) warns once and the run goes on uncached.
+Reads verify every manifest against its own digest and every blob against its digest; a corrupt
+or missing entry is counted, removed and treated as a miss, never an error. Writes are atomic; a
+cache that cannot be written (full disk) warns once and the run goes on uncached; a read-only
+cache (a mounted team cache, a CI runner) is read without a warning and gives hits.
+
+A cache directory carries a marker file (``CACHEDIR.TAG``) written when it is created;
+maintenance (clean, prune, gc, verify with repair) refuses a directory without it, and removes
+only names the store itself writes. A damaged index database is reported, moved aside
+(``index.damaged-...``) and replaced by a fresh one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import sys
@@ -18,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.cache.blobs import BlobStore, CorruptBlob
-from graphbuild.cache.index import ActionIndex
+from graphbuild.cache.index import ActionIndex, IndexDamaged, ReadOnlyIndex
+from graphbuild.cache.manifest import InvalidManifest, check_manifest
 from graphbuild.engine.codecs import Encoded, blob_digests, decode
 from graphbuild.errors import CacheError
 
@@ -26,6 +34,13 @@ _MANIFEST = "m:"
 _LAST = "last:"
 _PLACED = "placed:"
 _TOUCH_EVERY = 60.0
+MARKER = "CACHEDIR.TAG"
+_MARKER_TEXT = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by graphbuild.\n"
+    "# For information about cache directory tags see https://bford.info/cachedir/\n"
+)
+_OWN_NAMES = {"index", "blobs"}  # what a cache made before the marker holds
 
 
 def default_cache_dir() -> Path:
@@ -58,6 +73,8 @@ class CacheStats:
     seconds_saved: float
     path: str
     size_limit: int | None
+    readonly: bool = False
+    quarantined: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +101,8 @@ class MaintenanceReport:
     checked_entries: int = 0
     checked_blobs: int = 0
     corrupt: list[str] | None = None
+    quarantined: str | None = None
+    notes: list[str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,27 +111,125 @@ class MaintenanceReport:
 class Cache:
     """Action cache + blob store at ``path`` (default: :func:`default_cache_dir`)."""
 
-    def __init__(self, path: str | os.PathLike | None = None, size_limit: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        size_limit: int | None = None,
+        *,
+        readonly: bool = False,
+    ):
         self.path = Path(path).expanduser() if path is not None else default_cache_dir()
         self.size_limit = size_limit
         self.blobs = BlobStore(self.path / "blobs")
-        self._writable = True
-        self._index: ActionIndex | None = None
+        self._writable = not readonly
+        self.readonly = readonly
+        self.quarantined: Path | None = None
+        self._index: ActionIndex | ReadOnlyIndex | None = None
+        if not readonly:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                if not self.path.is_dir():
+                    raise CacheError(f"cannot create the cache at {self.path}: {err}") from err
+            self.readonly = not os.access(self.path, os.W_OK)
+            self._writable = not self.readonly
+        if self._writable:
+            self._mark()
+            self._open_index()
+        else:
+            self._open_read_only()
+
+    def _mark(self) -> None:
+        """Write the marker into a new, empty or pre-marker cache directory; refuse a
+        directory that holds anything else (``$HOME``, ``/``, a project)."""
+        if self.marked:
+            return
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._index = ActionIndex(self.path / "index")
-        except (OSError, sqlite3.Error) as err:
-            if not self.path.exists():
-                raise CacheError(f"cannot create the cache at {self.path}: {err}") from err
+            names = {e.name for e in os.scandir(self.path)}
+        except OSError as err:
+            raise CacheError(f"cannot read the cache directory {self.path}: {err}") from err
+        if not names <= _OWN_NAMES:
+            shown = ", ".join(sorted(names)[:5])
+            raise CacheError(
+                f"{self.path} is not a graphbuild cache (no {MARKER}) and is not empty "
+                f"(it holds {shown}...); point the cache at a new or empty directory "
+                "(--cache-dir, GRAPHBUILD_CACHE_DIR or [cache] dir)"
+            )
+        try:
+            fd = os.open(self.path / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            return
+        except OSError as err:
             self._write_failed(err)
+            return
+        with os.fdopen(fd, "w") as f:
+            f.write(_MARKER_TEXT)
+
+    @property
+    def marked(self) -> bool:
+        """True when the directory carries graphbuild's cache marker."""
+        try:
+            with open(self.path / MARKER) as f:
+                return "graphbuild" in f.read(4096)
+        except (OSError, UnicodeDecodeError):
+            return False
+
+    def _open_index(self) -> None:
+        directory = self.path / "index"
+        try:
+            self._index = ActionIndex(directory)
+            return
+        except IndexDamaged as err:
+            damage = err
+        except (OSError, sqlite3.Error) as err:
+            self._write_failed(err)
+            return
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        aside = self.path / f"index.damaged-{stamp}-{os.getpid()}"
+        try:
+            os.replace(directory, aside)
+            self._index = ActionIndex(directory)
+        except (OSError, sqlite3.Error, IndexDamaged) as err:
+            self._write_failed(err)
+            return
+        self.quarantined = aside
+        warnings.warn(
+            f"graphbuild: the cache index at {directory} was damaged ({damage}); moved it "
+            f"to {aside} and started a fresh index (entries are rebuilt on the next export; "
+            "delete the damaged copy once you no longer need it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _open_read_only(self) -> None:
+        try:
+            self._index = ReadOnlyIndex(self.path / "index")
+        except (IndexDamaged, OSError, sqlite3.Error) as err:
+            warnings.warn(
+                f"graphbuild: the read-only cache at {self.path} has no readable index "
+                f"({err}); going on without it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # ----------------------------------------------------------------- internals
 
     @property
-    def index(self) -> ActionIndex:
+    def index(self) -> ActionIndex | ReadOnlyIndex:
         if self._index is None:
             raise CacheError(f"the cache index at {self.path} cannot be opened")
         return self._index
+
+    def _maintainable(self, what: str) -> ActionIndex | ReadOnlyIndex:
+        """The index, for maintenance that removes things: only in a marked, writable cache."""
+        if self.readonly or not self._writable:
+            raise CacheError(f"cannot {what} the cache at {self.path}: it is read-only")
+        if not self.marked:
+            raise CacheError(
+                f"refusing to {what} {self.path}: it carries no graphbuild cache marker "
+                f"({MARKER}), so it may not be a cache; remove files there by hand"
+            )
+        return self.index
 
     @property
     def writable(self) -> bool:
@@ -146,10 +263,13 @@ class Cache:
         except Exception:  # a damaged row: pickled, not JSON, dangling value file...
             self._discard(key)
             return None
-        if manifest is not None and manifest.get("key") != key:
-            self._discard(key)  # a row holding another entry's manifest
+        if manifest is None:
             return None
-        return manifest
+        try:
+            return check_manifest(key, manifest)
+        except InvalidManifest:  # another key's entry, a digest that does not match, ...
+            self._discard(key)
+            return None
 
     def _discard(self, key: str) -> None:
         """Forget a corrupt entry: count it and drop the manifest."""
@@ -167,11 +287,7 @@ class Cache:
         manifest = self._manifest(key)
         if manifest is None:
             return None
-        try:
-            blobs = blob_digests(manifest["artifact"])
-        except (KeyError, TypeError, ValueError):
-            self._discard(key)
-            return None
+        blobs = blob_digests(manifest["artifact"])
         if not all(self.blobs.has(d, s) for d, s in blobs):
             self._discard(key)
             return None
@@ -200,9 +316,10 @@ class Cache:
         try:
             return decode(manifest["artifact"], self.blobs.read)
         except CorruptBlob as err:
-            for digest, _ in blob_digests(manifest["artifact"]):
-                if digest == err.digest or not self.blobs.verify(digest):
-                    self.blobs.delete(digest)  # every bad part, so a rebuild rewrites them
+            if self._writable:
+                for digest, _ in blob_digests(manifest["artifact"]):
+                    if digest == err.digest or not self.blobs.verify(digest):
+                        self.blobs.delete(digest)  # every bad part, so a rebuild rewrites them
             self._discard(manifest["key"])
             raise CorruptEntry(f"{manifest.get('stage', '?')}: {err}") from err
         except Exception as err:  # bytes intact but undecodable (an old or foreign format)
@@ -311,17 +428,30 @@ class Cache:
             seconds_saved=(idx.counter("ms_saved") / 1000.0) if idx else 0.0,
             path=str(self.path),
             size_limit=self.size_limit,
+            readonly=self.readonly,
+            quarantined=str(self.quarantined) if self.quarantined else None,
         )
 
     def size(self) -> int:
         return sum(s for _, s, _ in self.blobs.all())
+
+    def _report(self, **fields: Any) -> MaintenanceReport:
+        report = MaintenanceReport(**fields)
+        if self.quarantined is not None:
+            report.quarantined = str(self.quarantined)
+            report.notes = [
+                f"the index was damaged: moved to {self.quarantined} and started afresh; "
+                "blobs are kept until an export has rebuilt the index"
+            ]
+        return report
 
     def prune(
         self, max_bytes: int | None = None, older_than: float | None = None
     ) -> MaintenanceReport:
         """Drop entries least recently used first until the blobs they reference fit in
         ``max_bytes``; drop entries unused for ``older_than`` seconds; then free their blobs."""
-        report = MaintenanceReport()
+        index = self._maintainable("prune")
+        report = self._report()
         manifests = sorted(self._manifests(), key=lambda m: float(m.get("last_used", 0)))
         refs: dict[str, int] = {}
         sizes: dict[str, int] = {}
@@ -339,7 +469,8 @@ class Cache:
             too_old = cutoff is not None and float(m.get("last_used", 0)) < cutoff
             if not (too_big or too_old):
                 continue
-            self.index.delete(_MANIFEST + m["key"])
+            if not index.delete(_MANIFEST + m["key"]):
+                continue  # gone already (another process pruned it)
             report.removed_entries += 1
             for d, _ in blob_digests(m["artifact"]):
                 refs[d] -= 1
@@ -351,22 +482,33 @@ class Cache:
 
     def gc(self, grace: float = 600.0) -> MaintenanceReport:
         """Remove blobs no manifest references (older than ``grace`` seconds, so a
-        concurrent writer's fresh blobs survive) and stale temporary files."""
-        report = MaintenanceReport()
+        concurrent writer's fresh blobs survive) and stale temporary files. Only blobs
+        actually removed are counted."""
+        self._maintainable("collect garbage in")
+        report = self._report()
+        if self.quarantined is not None:
+            return report  # an empty fresh index references nothing: keep the blobs for now
         referenced = {d for m in self._manifests() for d, _ in blob_digests(m["artifact"])}
         now = time.time()
         for digest, _size, mtime in list(self.blobs.all()):
             if digest not in referenced and now - mtime >= grace:
-                report.freed_bytes += self.blobs.delete(digest)
-                report.removed_blobs += 1
+                freed = self.blobs.delete(digest)
+                if freed is not None:
+                    report.freed_bytes += freed
+                    report.removed_blobs += 1
         for tmp in self.blobs.stale_temps(now - max(grace, 3600.0)):
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
         return report
 
     def verify(self, repair: bool = True) -> MaintenanceReport:
-        """Re-hash every blob; with ``repair``, delete corrupt blobs and the entries that
-        reference them (they become misses)."""
-        report = MaintenanceReport(corrupt=[])
+        """Re-hash every blob and check every manifest; with ``repair``, delete corrupt blobs
+        and the entries that reference them or fail their own checks (they become misses)."""
+        if repair:
+            self._maintainable("repair")
+        index = self.index
+        report = self._report(corrupt=[])
+        assert report.corrupt is not None
         bad: set[str] = set()
         for digest, _size, _ in list(self.blobs.all()):
             report.checked_blobs += 1
@@ -374,34 +516,48 @@ class Cache:
                 bad.add(digest)
                 report.corrupt.append(f"blob {digest}")
                 if repair:
-                    report.freed_bytes += self.blobs.delete(digest)
-                    report.removed_blobs += 1
-        for m in list(self._manifests()):
+                    freed = self.blobs.delete(digest)
+                    if freed is not None:
+                        report.freed_bytes += freed
+                        report.removed_blobs += 1
+        for k in list(index.keys(_MANIFEST)):
+            key = k[len(_MANIFEST) :]
             report.checked_entries += 1
+            try:
+                raw = index.get_json(k)
+                m = check_manifest(key, raw)
+            except Exception as err:
+                report.corrupt.append(f"entry {key[:80]} ({_why(err)})")
+                if repair and self._remove_entry(k):
+                    report.removed_entries += 1
+                continue
             blobs = blob_digests(m["artifact"])
             broken = [d for d, s in blobs if d in bad or not self.blobs.has(d, s)]
             if broken:
                 report.corrupt.append(f"entry {m['key']} ({m.get('stage', '?')})")
-                if repair:
-                    self._discard(m["key"])
+                if repair and self._remove_entry(k):
                     report.removed_entries += 1
         return report
 
+    def _remove_entry(self, index_key: str) -> bool:
+        self._count("corrupt")
+        try:
+            return self.index.delete(index_key)
+        except (OSError, sqlite3.Error):
+            return False
+
     def clear(self) -> MaintenanceReport:
-        """Remove everything: entries, blobs, counters and explain records."""
-        report = MaintenanceReport(
-            removed_entries=sum(1 for _ in self.index.keys(_MANIFEST)),
-        )
-        blobs = list(self.blobs.all())
-        report.removed_blobs = len(blobs)
-        report.freed_bytes = sum(s for _, s, _ in blobs)
-        self.index.clear()
-        self.blobs.clear()
+        """Remove everything the store wrote: entries, blobs, counters and explain records.
+        Files the store never writes stay where they are."""
+        index = self._maintainable("clean")
+        report = self._report(removed_entries=sum(1 for _ in index.keys(_MANIFEST)))
+        index.clear()
+        report.removed_blobs, report.freed_bytes = self.blobs.clear()
         return report
 
     def enforce_limit(self) -> MaintenanceReport | None:
         """Prune to ``size_limit`` when the store has grown past it."""
-        if self.size_limit is None or not self._writable:
+        if self.size_limit is None or not self._writable or not self.marked:
             return None
         if self.size() <= self.size_limit:
             return None
@@ -413,3 +569,9 @@ class Cache:
 
     def __repr__(self) -> str:
         return f"Cache({str(self.path)!r})"
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, InvalidManifest):
+        return str(err)
+    return f"unreadable: {type(err).__name__}"

@@ -912,6 +912,8 @@ def _maintenance(
     console = _console()
     for problem in report.corrupt or []:
         console.print(Text(f"corrupt: {problem}", style="red"))
+    for note in report.notes or []:
+        console.print(Text(note, style="yellow"))
     parts = [f"freed {human_size(report.freed_bytes)}"]
     parts.append(f"removed {report.removed_entries} entries and {report.removed_blobs} blobs")
     if command == "verify":

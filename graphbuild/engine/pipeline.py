@@ -98,6 +98,10 @@ class Pipeline:
         self.name = name
         self.graph = nx.DiGraph()
         self._products: list[str] | None = None
+        # File names a product may be placed under (FileArtifact outputs); None: any plain
+        # name that starts with the model name and a dot. A name read from a cache is
+        # placed only when it is one of these (DESIGN.md, invariant 11).
+        self.output_files: frozenset[str] | None = None
         self._order = itertools.count()
         #: report name -> stage whose output an export puts in ``RunReport.extra`` under that
         #: name (numerics, delegation summaries: what a user reads besides the files)

@@ -6,6 +6,10 @@ directory as it was. A stamp in the cache remembers what was placed (product dig
 sizes, mtimes, inodes): when nothing changed and nobody touched the files, a warm export
 places nothing and loads nothing. A user editing an output file changes its mtime, so the
 next export writes it again from the cache.
+
+Names read from the cache decide no path by themselves: a file artifact's name must be a plain
+name the pipeline declares (``Pipeline.output_files``; by default ``<model_name>.*``), and a
+placement stamp naming anything else is ignored (DESIGN.md, invariant 11).
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.cache import Cache
+from graphbuild.cache.names import is_digest, is_plain_name
 from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.hashing import Hasher, digest_json
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.scheduler import RunReport, toolchain_versions
+from graphbuild.errors import ExportError
 
 LOCK_FILE = "graphbuild.lock.json"
 
@@ -47,6 +53,8 @@ def place_outputs(
     products = {s: report[s].digest for s in pipeline.products if report[s].digest}
     stamp_key = digest_json([str(placement.out_dir.resolve()), placement.model_name])
     stamp = cache.placement(stamp_key) if cache is not None else None
+    if stamp is not None and not _valid_stamp(stamp, pipeline, placement):
+        stamp = None  # damaged or planted: place everything afresh
     if stamp is not None and _unchanged(stamp, products, placement):
         placed = dict(stamp["files"])  # a list of pairs: keeps the products' order
         files = {kind: placement.out_dir / f["name"] for kind, f in placed.items()}
@@ -65,6 +73,44 @@ def place_outputs(
             },
         )
     return {**files, "lock": placement.out_dir / LOCK_FILE}, lock
+
+
+def allowed_name(name: Any, pipeline: Pipeline, placement: Placement) -> bool:
+    """True for a plain file name the pipeline may place: one it declares in
+    ``output_files`` (or, declaring none, ``<model_name>.<suffix>``), or the ONNX model's
+    own files; never the lock file."""
+    if not is_plain_name(name) or name == LOCK_FILE:
+        return False
+    model = placement.model_name
+    if name in (f"{model}.onnx", f"{model}.onnx.data"):
+        return True
+    if pipeline.output_files is not None:
+        return name in pipeline.output_files
+    return name.startswith(model + ".") and len(name) > len(model) + 1
+
+
+_STAMP_FILE = {"name": str, "xxh3_128": str, "product": str, "bytes": int, "mtime_ns": int}
+
+
+def _valid_stamp(stamp: Any, pipeline: Pipeline, placement: Placement) -> bool:
+    """A placement stamp as :func:`place_outputs` writes it, naming only allowed files."""
+    if type(stamp) is not dict or type(stamp.get("products")) is not dict:
+        return False
+    if type(stamp.get("files")) is not list or stamp.get("external_data") not in (
+        None,
+        True,
+        False,
+    ):
+        return False
+    for item in stamp["files"]:
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
+            return False
+        f = item[1]
+        if type(f) is not dict or any(type(f.get(k)) is not t for k, t in _STAMP_FILE.items()):
+            return False
+        if not allowed_name(f["name"], pipeline, placement) or not is_digest(f["xxh3_128"]):
+            return False
+    return True
 
 
 def _intact(f: Mapping[str, Any], placement: Placement) -> bool:
@@ -133,6 +179,15 @@ def _place(
                 continue
             items = value.items() if isinstance(value, Mapping) else [(sink, value)]
             for kind, item in items:
+                if isinstance(item, FileArtifact) and not allowed_name(
+                    item.name, pipeline, placement
+                ):
+                    raise ExportError(
+                        f"stage '{sink}' produced a file named {item.name[:200]!r}, which "
+                        f"is not one the pipeline declares ({_declared(pipeline, placement)}); "
+                        "a file artifact's name must be a plain file name listed in "
+                        "Pipeline.output_files"
+                    )
                 for path in _write(item, tmp, placement):
                     kind_of = _kind(path.name, placement.model_name, kind)
                     written[kind_of] = path
@@ -260,6 +315,12 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _declared(pipeline: Pipeline, placement: Placement) -> str:
+    if pipeline.output_files is not None:
+        return ", ".join(sorted(pipeline.output_files)) or "none"
+    return f"{placement.model_name}.<suffix>"
 
 
 def _placeable(value: Any) -> bool:

@@ -278,6 +278,7 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         encodings, "encodings", reads=("ctx.encodings_version", "ctx.model_name")
     ).depends_on(qmap, qp, lower)
     p.products = [bound.name, enc.name]
+    p.output_files = frozenset({f"{request.model_name}.encodings"})
     if opts.check_numerics:
         if opts.quantizer is not None:
             ref = p.register_stage(reference_from_program, "reference", reads=("samples",))

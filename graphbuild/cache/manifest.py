@@ -1,0 +1,94 @@
+"""Checks on a manifest read from a cache: the shape, the types and the artifact digest.
+
+A manifest is data written by whoever could write to the cache. Before anything uses it, its
+artifact description is checked against its own digest (the digest is recomputed from the
+codec, meta, part digests and child digests, as :class:`~graphbuild.engine.codecs.Encoded`
+computes it), every part names a digest and a size, and a file artifact's name is a plain
+name. A manifest that fails is corrupt: a miss, never an error, never a path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from graphbuild.cache.names import is_digest, is_plain_name
+from graphbuild.engine.hashing import digest_json
+
+_MAX_DEPTH = 64
+_ARTIFACT_KEYS = {"codec", "meta", "digest", "parts", "children"}
+
+
+class InvalidManifest(ValueError):
+    """A manifest that is not what the cache writes."""
+
+
+def check_manifest(key: str, manifest: Any) -> dict[str, Any]:
+    """``manifest`` if it is a well-formed entry for ``key``; raises InvalidManifest."""
+    if type(manifest) is not dict:
+        raise InvalidManifest("not a JSON object")
+    if manifest.get("key") != key:
+        raise InvalidManifest("holds another key's entry")
+    _count(manifest, "bytes")
+    for field in ("seconds", "created", "last_used"):
+        _number(manifest, field)
+    for field in ("stage", "pipeline"):
+        if field in manifest and type(manifest[field]) is not str:
+            raise InvalidManifest(f"'{field}' is not a string")
+    check_artifact(manifest.get("artifact"))
+    if manifest.get("bytes", 0) != sum(s for _, s in _blobs(manifest["artifact"])):
+        raise InvalidManifest("'bytes' is not the size of its blobs")
+    return manifest
+
+
+def check_artifact(description: Any, depth: int = 0) -> str:
+    """The artifact digest of a description whose digest matches its contents."""
+    if depth > _MAX_DEPTH:
+        raise InvalidManifest("artifact nested too deeply")
+    if type(description) is not dict or set(description) != _ARTIFACT_KEYS:
+        raise InvalidManifest("artifact description has the wrong fields")
+    codec, parts, children = description["codec"], description["parts"], description["children"]
+    if type(codec) is not str or type(parts) is not list or type(children) is not list:
+        raise InvalidManifest("artifact description has the wrong types")
+    digests = []
+    for part in parts:
+        if (
+            type(part) is not list
+            or len(part) != 2
+            or not is_digest(part[0])
+            or type(part[1]) is not int
+            or part[1] < 0
+        ):
+            raise InvalidManifest(f"bad blob reference {str(part)[:80]}")
+        digests.append(part[0])
+    child_digests = [check_artifact(c, depth + 1) for c in children]
+    if codec == "file":
+        meta = description["meta"]
+        if type(meta) is not dict or not is_plain_name(meta.get("name")):
+            raise InvalidManifest("file artifact without a plain file name")
+    try:
+        digest = digest_json([codec, description["meta"], digests, child_digests])
+    except (TypeError, ValueError) as err:
+        raise InvalidManifest(f"artifact meta is not JSON ({err})") from err
+    if not is_digest(description["digest"]) or digest != description["digest"]:
+        raise InvalidManifest("artifact does not match its digest")
+    return digest
+
+
+def _blobs(description: dict[str, Any]) -> list[tuple[str, int]]:
+    out = [(d, s) for d, s in description["parts"]]
+    for c in description["children"]:
+        out.extend(_blobs(c))
+    return out
+
+
+def _count(manifest: dict[str, Any], field: str) -> None:
+    value = manifest.get(field, 0)
+    if type(value) is not int or value < 0:
+        raise InvalidManifest(f"'{field}' is not a count")
+
+
+def _number(manifest: dict[str, Any], field: str) -> None:
+    value = manifest.get(field, 0.0)
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise InvalidManifest(f"'{field}' is not a finite number")
