@@ -61,7 +61,14 @@ def model() -> nn.Module:
 
 def export(out: Path, cache: Cache | Path):
     return gb.export(
-        model(), (), out, "net", target="note", pipeline_factory=note_pipeline, cache=cache
+        model(),
+        (),
+        out,
+        "net",
+        target="note",
+        format="file",
+        pipeline_factory=note_pipeline,
+        cache=cache,
     )
 
 

@@ -260,6 +260,7 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
     out = p.register_stage(pte, "pte", reads=()).depends_on(low)
     summary = p.register_stage(delegation, "delegation", reads=()).depends_on(low)
     p.products = [out.name]
+    p.output_files = frozenset({f"{request.model_name}.pte"})
     p.reports["delegation"] = summary.name
     if opts.check_numerics:
         if opts.quantized:
