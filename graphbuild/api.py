@@ -19,7 +19,8 @@ import torch
 
 from graphbuild.cache import Cache
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.scheduler import RunReport, StageEvent, plan_status
+from graphbuild.engine.plan import plan
+from graphbuild.engine.scheduler import RunReport, StageEvent
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.output.placement import LOCK_FILE, Placement, place_outputs
 from graphbuild.targets.registry import (
@@ -209,7 +210,7 @@ def export(
 def status(request: ExportRequest) -> RunReport:
     """What an export would run and why, without running anything."""
     pipeline = build_pipeline(request)
-    return plan_status(
+    return plan(
         pipeline,
         request.model,
         request.data,

@@ -661,75 +661,6 @@ def status(
 # --------------------------------------------------------------------------- explain
 
 
-def explain_stages(
-    pipeline: Pipeline, request: ExportRequest, cache: Cache, only: str | None = None
-) -> list[dict[str, Any]]:
-    """For each stage, what changed since its last recorded run: code, toolchain, each read
-    (old and new value, or digests and which tensors / submodules changed) and upstream
-    outputs. Uses the planner's readings; nothing is executed."""
-    from graphbuild.engine.scheduler import (
-        StageRecord,
-        _Run,
-        _State,
-        explain_changes,
-        plan_reads,
-        plan_status,
-    )
-
-    context = request.context()
-    run_id = request.run_id()
-    plan = plan_status(
-        pipeline, request.model, request.data, context=context, cache=cache, run_id=run_id
-    )
-    run = _Run(pipeline, request.model, request.data, context, cache, (), (), run_id)
-    out = []
-    for planned in plan.stages:
-        name = planned.name
-        record = StageRecord(name, planned.status, planned.key, digest=planned.digest)
-        run.states[name] = _State(record, plan_reads(pipeline, name, context))
-        if only is not None and name != only:
-            continue
-        run.compute_key(name)
-        now = run._snapshot(name)
-        last = cache.last_run(run_id, name)
-        pending = [d for d in pipeline.dependencies(name) if plan[d].status in ("dirty", "maybe")]
-        for dep in pending:  # unknown until it reruns: do not report it as a change
-            now["upstream"][dep] = ((last or {}).get("upstream") or {}).get(dep)
-        reason, changes = explain_changes(last, now)
-        if not last:
-            reason = "no record of a previous run"
-        elif not changes and planned.status == "hit":
-            reason = "unchanged since the last run"
-        elif not changes and planned.status == "maybe":
-            reason = f"its own reads are unchanged; reruns only if {_outputs_of(pending)}"
-        elif pending:
-            reason += f"; also downstream of dirty {', '.join(pending)}"
-        out.append(
-            {
-                "name": name,
-                "status": planned.status,
-                "reason": reason,
-                "last_run": None
-                if not last
-                else {
-                    "status": last.get("status"),
-                    "when": last.get("when"),
-                    "key": last.get("key"),
-                    "seconds": last.get("seconds"),
-                },
-                "changes": [asdict(c) for c in changes],
-                "dirty_upstream": pending,
-            }
-        )
-    return out
-
-
-def _outputs_of(stages: Sequence[str]) -> str:
-    if len(stages) == 1:
-        return f"the output of {stages[0]} changes"
-    return f"the outputs of {', '.join(stages)} change"
-
-
 @app.command()
 @_handles_errors
 def explain(
@@ -751,7 +682,17 @@ def explain(
         raise ConfigError(
             f"no stage named '{stage}' in {pipeline.name}; stages: {', '.join(pipeline.order())}"
         )
-    stages = explain_stages(pipeline, request, cache, stage)  # type: ignore[arg-type]
+    from graphbuild.engine.plan import explain_plan
+
+    stages = explain_plan(
+        pipeline,
+        request.model,
+        request.data,
+        context=request.context(),
+        cache=cache,  # type: ignore[arg-type]
+        run_id=request.run_id(),
+        only=stage,
+    )
     if as_json:
         _emit_json({"run_id": request.run_id(), "cache": str(cache.path), "stages": stages})
         return

@@ -1,0 +1,108 @@
+"""Planning: what an export would run and why, without running anything (the public API
+behind ``graphbuild status`` and ``graphbuild explain``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from graphbuild.engine.scheduler import (
+    RunReport,
+    StageRecord,
+    _Run,
+    _State,
+    explain_changes,
+    plan_reads,
+    plan_status,
+)
+
+if TYPE_CHECKING:
+    from graphbuild.cache import Cache
+    from graphbuild.engine.pipeline import Pipeline
+
+__all__ = ["explain_plan", "plan"]
+
+
+def plan(
+    pipeline: Pipeline,
+    pipeline_input: Any,
+    samples: Any,
+    *,
+    context: Mapping[str, Any],
+    cache: Cache | None,
+    run_id: str = "pipeline",
+) -> RunReport:
+    """Each stage ``hit``, ``dirty`` (with the reason) or ``maybe`` (downstream of a dirty
+    stage: it reruns unless the upstream output comes out unchanged)."""
+    return plan_status(
+        pipeline, pipeline_input, samples, context=context, cache=cache, run_id=run_id
+    )
+
+
+def explain_plan(
+    pipeline: Pipeline,
+    pipeline_input: Any,
+    samples: Any,
+    *,
+    context: Mapping[str, Any],
+    cache: Cache,
+    run_id: str = "pipeline",
+    only: str | None = None,
+) -> list[dict[str, Any]]:
+    """For each stage (or ``only`` that one), what changed since its last recorded run:
+    code, toolchain, each read (old and new value, or digests and which tensors / submodules
+    changed) and upstream outputs, with the plan's status and a reason a person can read.
+    Uses the planner's readings; nothing is executed."""
+    planned_run = plan(
+        pipeline, pipeline_input, samples, context=context, cache=cache, run_id=run_id
+    )
+    run = _Run(pipeline, pipeline_input, samples, context, cache, (), (), run_id)
+    out = []
+    for planned in planned_run.stages:
+        name = planned.name
+        record = StageRecord(name, planned.status, planned.key, digest=planned.digest)
+        run.states[name] = _State(record, plan_reads(pipeline, name, context))
+        if only is not None and name != only:
+            continue
+        run.compute_key(name)
+        now = run._snapshot(name)
+        last = cache.last_run(run_id, name)
+        pending = [
+            d for d in pipeline.dependencies(name) if planned_run[d].status in ("dirty", "maybe")
+        ]
+        for dep in pending:  # unknown until it reruns: do not report it as a change
+            now["upstream"][dep] = ((last or {}).get("upstream") or {}).get(dep)
+        reason, changes = explain_changes(last, now)
+        if not last:
+            reason = "no record of a previous run"
+        elif not changes and planned.status == "hit":
+            reason = "unchanged since the last run"
+        elif not changes and planned.status == "maybe":
+            reason = f"its own reads are unchanged; reruns only if {_outputs_of(pending)}"
+        elif pending:
+            reason += f"; also downstream of dirty {', '.join(pending)}"
+        out.append(
+            {
+                "name": name,
+                "status": planned.status,
+                "reason": reason,
+                "last_run": None
+                if not last
+                else {
+                    "status": last.get("status"),
+                    "when": last.get("when"),
+                    "key": last.get("key"),
+                    "seconds": last.get("seconds"),
+                },
+                "changes": [asdict(c) for c in changes],
+                "dirty_upstream": pending,
+            }
+        )
+    return out
+
+
+def _outputs_of(stages: Sequence[str]) -> str:
+    if len(stages) == 1:
+        return f"the output of {stages[0]} changes"
+    return f"the outputs of {', '.join(stages)} change"
