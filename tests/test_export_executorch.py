@@ -7,6 +7,7 @@ Needs the ``executorch`` extra; skipped without it.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -344,3 +345,34 @@ def test_malformed_dynamic_dims_are_a_config_error():
 
     with pytest.raises(ConfigError, match=r"dynamic_dims\[0\]\[0\] must be \[name, min, max\]"):
         ExecuTorchOptions(dynamic_dims=[{0: "batch"}])
+
+
+def test_cli_export_prints_the_delegation_and_puts_it_in_json(tmp_path, monkeypatch):
+    import json
+    import textwrap
+
+    from typer.testing import CliRunner
+
+    from graphbuild.cli.app import app
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "graphbuild.toml").write_text(
+        textwrap.dedent(
+            f"""\
+            model = "{(root / "examples" / "convnet.py").as_posix()}:build"
+            model_name = "convnet"
+            target = "executorch"
+            [options]
+            check_numerics = true
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GRAPHBUILD_CACHE_DIR", str(tmp_path / "cache"))
+    plain = CliRunner().invoke(app, ["export"])
+    assert plain.exit_code == 0, plain.output
+    assert re.search(r"delegation \d+ ops delegated in 1 subgraph\(s\)", plain.stdout)
+    assert re.search(r"numerics   output_0: SQNR \d+\.\d dB", plain.stdout)
+    doc = json.loads(CliRunner().invoke(app, ["export", "--json"]).stdout)
+    assert doc["files"]["pte"].endswith("convnet.pte")
+    assert doc["reports"]["delegation"]["delegated_ops"] > 0

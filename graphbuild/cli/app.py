@@ -23,7 +23,7 @@ import re
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -579,6 +579,7 @@ def export(
                 "seconds_saved": report.seconds_saved,
                 "stages": [_stage_json(s) for s in report.stages],
                 "files": files,
+                "reports": _json_safe(report.extra),
             }
         )
         return
@@ -587,8 +588,42 @@ def export(
             console.print(path, markup=False)
         return
     console.print(progress.summary(report, report.seconds))
+    for line in _report_lines(report.extra):
+        console.print(Text(f"  {line}"))
     for kind, path in files.items():
         console.print(Text(f"  {kind:<10} {path}"))
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as strings ("inf", "nan"): JSON has no spelling for
+    them, and readers other than Python's reject ``Infinity``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _report_lines(extra: Mapping[str, Any]) -> list[str]:
+    """One line per report an export made (delegation, numerics), for people."""
+    lines = []
+    delegation = extra.get("delegation")
+    if isinstance(delegation, Mapping):
+        lines.append(
+            f"delegation {delegation.get('delegated_ops', 0)} ops delegated in "
+            f"{delegation.get('delegated_subgraphs', 0)} subgraph(s), "
+            f"{delegation.get('portable_ops', 0)} on portable kernels"
+        )
+    numerics = extra.get("numerics")
+    if isinstance(numerics, Mapping):
+        for out in numerics.get("outputs", []):
+            lines.append(
+                f"numerics   {out.get('name')}: SQNR {out.get('sqnr_db', float('nan')):.1f} dB, "
+                f"max abs error {out.get('max_abs_error', float('nan')):.3g}"
+            )
+    return lines
 
 
 # --------------------------------------------------------------------------- status
