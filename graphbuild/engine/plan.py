@@ -8,7 +8,6 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from graphbuild.engine.scheduler import (
-    RunReport,
     StageRecord,
     _Run,
     _State,
@@ -24,20 +23,9 @@ if TYPE_CHECKING:
 __all__ = ["explain_plan", "plan"]
 
 
-def plan(
-    pipeline: Pipeline,
-    pipeline_input: Any,
-    samples: Any,
-    *,
-    context: Mapping[str, Any],
-    cache: Cache | None,
-    run_id: str = "pipeline",
-) -> RunReport:
-    """Each stage ``hit``, ``dirty`` (with the reason) or ``maybe`` (downstream of a dirty
-    stage: it reruns unless the upstream output comes out unchanged)."""
-    return plan_status(
-        pipeline, pipeline_input, samples, context=context, cache=cache, run_id=run_id
-    )
+#: Each stage ``hit``, ``dirty`` (with the reason) or ``maybe`` (downstream of a dirty stage:
+#: it reruns unless the upstream output comes out unchanged); nothing runs.
+plan = plan_status
 
 
 def explain_plan(

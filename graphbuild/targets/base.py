@@ -12,6 +12,7 @@ declaration, so heavy libraries (torchao, executorch) are imported by its stages
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,6 +32,7 @@ __all__ = [
     "Request",
     "Target",
     "coerce_options",
+    "lazy_builder",
 ]
 
 
@@ -64,6 +66,18 @@ class Request(Protocol):
 
 #: Builds the pipeline for an export request and a format.
 PipelineBuilder = Callable[[Request, str], "Pipeline"]
+
+
+def lazy_builder(module: str, function: str) -> PipelineBuilder:
+    """A pipeline builder that imports ``module`` when first called, so that declaring a
+    target costs no import of its stages (torch, torchao, a back end)."""
+
+    def build(request: Request, fmt: str | None = None) -> Pipeline:
+        return getattr(importlib.import_module(module), function)(request, fmt)
+
+    build.__name__ = build.__qualname__ = function
+    build.__doc__ = f"``{module}.{function}``, imported on first use."
+    return build
 
 
 def coerce_options(options_type: type, options: Any, target: str) -> Any:

@@ -8,9 +8,7 @@ is an optional extra: ``pip install 'graphbuild[executorch]'``.
 
 from __future__ import annotations
 
-from typing import Any
-
-from graphbuild.targets.base import Request, Target
+from graphbuild.targets.base import Target, lazy_builder
 from graphbuild.targets.executorch.options import (
     CONFIG_SCHEMA,
     FORMATS,
@@ -18,13 +16,9 @@ from graphbuild.targets.executorch.options import (
     ExecuTorchOptions,
 )
 
-
-def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Any:
-    """The ExecuTorch pipeline for ``request`` (see ``graphbuild.targets.executorch.pipeline``)."""
-    from graphbuild.targets.executorch.pipeline import build_executorch_pipeline as build
-
-    return build(request, fmt)
-
+build_executorch_pipeline = lazy_builder(
+    "graphbuild.targets.executorch.pipeline", "build_executorch_pipeline"
+)
 
 TARGET = Target(
     name="executorch",

@@ -7,18 +7,10 @@ pipeline module, which registers the quantizer presets, is imported when a pipel
 
 from __future__ import annotations
 
-from typing import Any
-
-from graphbuild.targets.base import Request, Target
+from graphbuild.targets.base import Target, lazy_builder
 from graphbuild.targets.qnn.options import CONFIG_SCHEMA, FORMATS, PRESETS, QnnOnnxOptions
 
-
-def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Any:
-    """The QNN pipeline for ``request`` (see ``graphbuild.targets.qnn.pipeline``)."""
-    from graphbuild.targets.qnn.pipeline import build_qnn_pipeline as build
-
-    return build(request, fmt)
-
+build_qnn_pipeline = lazy_builder("graphbuild.targets.qnn.pipeline", "build_qnn_pipeline")
 
 TARGET = Target(
     name="qnn",
