@@ -300,3 +300,25 @@ def test_tensor_digest_reads_every_dtype(dtype):
     t = (torch.arange(10) % 3).to(dtype)
 
     assert tensor_digest(t) == xxhash.xxh3_128_hexdigest(t.numpy().tobytes())
+
+
+def test_parallel_tensor_digests_equal_one_at_a_time(monkeypatch):
+    from graphbuild.engine import fingerprint
+
+    tensors = [torch.randn(1000 + i) for i in range(40)] + [torch.arange(7).t()]
+    serial = [fingerprint.tensor_digest(t) for t in tensors]
+    monkeypatch.setattr(fingerprint, "PARALLEL_BYTES", 0)
+    assert fingerprint.tensor_digests(tensors) == serial
+
+
+def test_state_digests_hash_tied_tensors_once_and_name_each(monkeypatch):
+    from graphbuild.engine import fingerprint
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight = model[0].weight
+    hashed = []
+    real = fingerprint.tensor_digests
+    monkeypatch.setattr(fingerprint, "tensor_digests", lambda ts: hashed.extend(ts) or real(ts))
+    sd = fingerprint.state_digests(model)
+    assert sd.tensors["0.weight"] == sd.tensors["1.weight"]
+    assert len(hashed) == 3  # the shared weight and two biases

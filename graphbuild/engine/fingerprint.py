@@ -19,7 +19,8 @@ import sys
 import sysconfig
 import threading
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
@@ -333,23 +334,52 @@ class StateDigests:
 
 
 def state_digests(module: torch.nn.Module) -> StateDigests:
-    """Digest every parameter and buffer; tied tensors (same memory) are hashed once."""
-    seen: dict[tuple, str] = {}
-    out: dict[str, str] = {}
+    """Digest every parameter and buffer; tied tensors (same memory) are hashed once, and
+    distinct tensors in parallel (``tensor_digests``)."""
     named = [*module.named_parameters(remove_duplicate=False)]
     named += [*module.named_buffers(remove_duplicate=False)]
+    idents: dict[str, tuple] = {}
+    unique: dict[tuple, torch.Tensor] = {}
+    for name, t in named:
+        if t is None or t.device.type == "meta" or t.numel() == 0:
+            continue
+        ident = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        idents[name] = ident
+        unique.setdefault(ident, t)
+    digests = dict(zip(unique, tensor_digests(list(unique.values())), strict=True))
+    out: dict[str, str] = {}
     for name, t in named:
         if t is None:
             continue
-        ident = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        if t.device.type == "meta" or t.numel() == 0:
-            d = f"empty:{t.device.type}"
-        elif ident in seen:
-            d = seen[ident]
-        else:
-            d = seen[ident] = tensor_digest(t)
+        d = digests[idents[name]] if name in idents else f"empty:{t.device.type}"
         out[name] = f"{t.dtype}{list(t.shape)}:{d}"
     return StateDigests(digest_json(sorted(out.items())), out)
+
+
+#: Below this many bytes in all, tensors are hashed one after the other.
+PARALLEL_BYTES = 64 << 20
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """``tensor_digest`` of each tensor, spread over a thread per core when there is enough to
+    hash: xxhash releases the GIL, so a model's weights hash at the speed of all cores. Tensors
+    off the CPU go one at a time (they share a staging buffer per thread)."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    workers = min(os.cpu_count() or 1, 16)
+    on_cpu = all(t.device.type == "cpu" for t in tensors)
+    if workers < 2 or len(tensors) < 2 or total < PARALLEL_BYTES or not on_cpu:
+        return [tensor_digest(t) for t in tensors]
+    return list(_hash_pool(workers).map(tensor_digest, tensors))
+
+
+def _hash_pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="graphbuild-hash")
+        return _POOL
 
 
 # --------------------------------------------------------------------------- structure

@@ -133,7 +133,7 @@ def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
 def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
     """Digests of exactly the state tensors the lowered graph binds: bind keys on these
     rather than on the whole state, so a changed quantizer buffer does not re-bind weights."""
-    from graphbuild.engine.fingerprint import tensor_digest
+    from graphbuild.engine.fingerprint import tensor_digests
     from graphbuild.onnx.lower import SOURCE_KEY
     from graphbuild.onnx.skeleton import STATE_LOCATION
 
@@ -145,10 +145,11 @@ def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
         if location == STATE_LOCATION:
             meta = {p.key: p.value for p in init.metadata_props}
             names.add(meta.get(SOURCE_KEY, init.name))
+    bound = [n for n in sorted(names) if n in state]
+    digests = tensor_digests([state[n] for n in bound])
     return {
-        n: f"{state[n].dtype}{list(state[n].shape)}:{tensor_digest(state[n])}"
-        for n in sorted(names)
-        if n in state
+        n: f"{state[n].dtype}{list(state[n].shape)}:{d}"
+        for n, d in zip(bound, digests, strict=True)
     }
 
 
