@@ -38,6 +38,18 @@ class FingerprintMismatchError(GraphbuildError):
     """Check mode: a stage that hit the cache produced a different output when recomputed."""
 
 
+class InputMutationError(GraphbuildError):
+    """A stage changed an upstream output in place instead of returning a new value."""
+
+    def __init__(self, stage: str, upstream: str, how: str = "changed it in place"):
+        self.stage, self.upstream = stage, upstream
+        super().__init__(
+            f"stage '{stage}' {how}: the output of '{upstream}' it was given is shared with "
+            "the cache and with other stages. Copy it first and change the copy "
+            "(copy.deepcopy(program), or build a new graph) and return that."
+        )
+
+
 class CodecError(GraphbuildError, TypeError):
     """A stage output whose type has no registered artifact codec."""
 

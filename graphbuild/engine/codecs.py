@@ -32,6 +32,8 @@ __all__ = [
     "decode",
     "FileArtifact",
     "roundtrip",
+    "snapshot",
+    "codec_modules",
 ]
 
 
@@ -116,6 +118,11 @@ class Codec:
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
         raise NotImplementedError
 
+    def snapshot(self, value: Any) -> Any:
+        """A cheap token of ``value``'s current contents: equal before and after a stage
+        runs unless the stage changed the value in place. None: the codec cannot tell."""
+        return None
+
 
 _CODECS: list[Codec] = []
 _BY_NAME: dict[str, Codec] = {}
@@ -161,7 +168,10 @@ def codec_for(value: Any) -> Codec:
 
 
 def encode(value: Any) -> Encoded:
-    known = _ENCODED.get(id(value))
+    # A value roundtrip() just made is encoded once more by the scheduler when the stage
+    # returns it: that one time, its encoding is known. The entry is consumed, so a later
+    # stage that edits the same object in place and returns it is encoded afresh.
+    known = _ENCODED.pop(id(value), None)
     if known is not None and known[0]() is value:
         return known[1]
     return codec_for(value).encode(value)
@@ -169,6 +179,24 @@ def encode(value: Any) -> Encoded:
 
 # value id -> (weak reference, its Encoded): what roundtrip() already serialized
 _ENCODED: dict[int, tuple[Any, Encoded]] = {}
+
+
+def snapshot(value: Any) -> Any:
+    """The codec's token of ``value``'s contents (see :meth:`Codec.snapshot`)."""
+    try:
+        return codec_for(value).snapshot(value)
+    except CodecError:
+        return None
+
+
+def codec_modules() -> list[tuple[str, str, Codec | None]]:
+    """(name, module, codec or None while not loaded) of every codec graphbuild can use,
+    registered or registered on first need, by name: what a key covers of the codecs, the
+    same before and after a lazy codec is loaded."""
+    out = {name: (name, type(c).__module__, c) for name, c in _BY_NAME.items()}
+    for name, module in _LAZY_CODECS.items():
+        out.setdefault(name, (name, module, None))
+    return [out[n] for n in sorted(out)]
 
 
 def decode(description: dict[str, Any], read_part: Callable[[str, int], bytes]) -> Any:
@@ -230,6 +258,9 @@ class JsonCodec(Codec):
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
         return json.loads(parts[0])
 
+    def snapshot(self, value: Any) -> Any:
+        return digest_json(value)
+
 
 class BytesCodec(Codec):
     name = "bytes"
@@ -241,12 +272,20 @@ class BytesCodec(Codec):
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
         return bytes(parts[0])
 
+    def snapshot(self, value: Any) -> Any:
+        return digest_bytes(value) if isinstance(value, bytearray) else "immutable"
+
 
 def tensor_part(tensor: torch.Tensor) -> tuple[dict[str, Any], Part]:
     from graphbuild.engine.fingerprint import tensor_bytes
 
     meta = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
     return meta, Part(tensor_bytes(tensor))
+
+
+def tensor_token(tensor: torch.Tensor) -> tuple:
+    """Changes when the tensor is written in place (torch's version counter) or replaced."""
+    return (id(tensor), tensor._version, tensor.data_ptr(), tuple(tensor.shape), str(tensor.dtype))
 
 
 def _is_tensor(value: Any) -> bool:
@@ -278,6 +317,9 @@ class TensorCodec(Codec):
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
         return tensor_from_part(meta, parts[0])
 
+    def snapshot(self, value: Any) -> Any:
+        return tensor_token(value)
+
 
 class TensorDictCodec(Codec):
     """A dict of named tensors (a state dict, qparams): one blob per tensor, so unchanged
@@ -305,6 +347,9 @@ class TensorDictCodec(Codec):
             name: tensor_from_part(m, data) for (name, m), data in zip(meta, parts, strict=False)
         }
 
+    def snapshot(self, value: Any) -> Any:
+        return [(name, tensor_token(value[name])) for name in sorted(value)]
+
 
 class SequenceCodec(Codec):
     """A tuple or list whose items are artifacts of any codec."""
@@ -317,6 +362,9 @@ class SequenceCodec(Codec):
 
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
         return tuple(children) if meta == "tuple" else list(children)
+
+    def snapshot(self, value: Any) -> Any:
+        return [len(value), *(snapshot(v) for v in value)]
 
 
 class MappingCodec(Codec):
@@ -333,6 +381,9 @@ class MappingCodec(Codec):
 
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
         return dict(zip(meta, children, strict=False))
+
+    def snapshot(self, value: Any) -> Any:
+        return [[k, snapshot(value[k])] for k in sorted(value)]
 
 
 @dataclass(frozen=True)
@@ -357,6 +408,9 @@ class FileCodec(Codec):
 
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
         return FileArtifact(meta["name"], bytes(parts[0]))
+
+    def snapshot(self, value: Any) -> Any:
+        return "immutable"  # a frozen dataclass of bytes
 
 
 # Later registrations win: the most general first.

@@ -9,16 +9,22 @@ naming the value's path; callers turn that into "always rerun, because ...", nev
 
 from __future__ import annotations
 
+import ast
+import collections
 import dataclasses
 import enum
 import functools
+import importlib.machinery
 import importlib.metadata
+import importlib.util
 import inspect
 import os
 import sys
 import sysconfig
+import textwrap
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,9 +58,13 @@ _MAX_DEPTH = 12
 class _Walk:
     """State of one recursive fingerprint: cycle guard and the path for error messages."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_names: Mapping[int, str] | None = None) -> None:
         self.active: set[int] = set()
         self.path: list[str] = []
+        # tensors that are the model's own parameters and buffers (by id, within this walk):
+        # an attribute holding one (nn.LSTM's _flat_weights) is structure by name, its values
+        # are the state facet's
+        self.state_names: Mapping[int, str] = state_names or {}
 
     def child(self, label: str, value: Any) -> Any:
         if len(self.path) > _MAX_DEPTH:
@@ -102,11 +112,14 @@ def fingerprint_type(value: Any, walk: _Walk) -> Any:
         return {"function": callable_version(value)}
     state = getattr(value, "__dict__", None)
     if isinstance(state, dict):
+        skip = volatile_attributes(cls)
         return {
             "object": _qualname(cls),
             "code": code_fingerprint([cls]),
             "attrs": {
-                k: walk.child(k, v) for k, v in sorted(state.items()) if not k.startswith("__")
+                k: walk.child(k, v)
+                for k, v in sorted(state.items())
+                if not k.startswith("__") and k not in skip
             },
         }
     slots = _slot_values(value)
@@ -119,7 +132,37 @@ def fingerprint_type(value: Any, walk: _Walk) -> Any:
 
 
 def _fp(value: Any, walk: _Walk) -> Any:
-    return fingerprint_type(value, walk)
+    fn = fingerprint_type.dispatch(type(value))
+    if fn in _BUILTIN_FINGERPRINTS:
+        return fn(value, walk)
+    # a fingerprint function registered by a user: its code is part of what it computes
+    return {"registered": _registered_version(fn), "value": fn(value, walk)}
+
+
+def _registered_version(fn: Callable) -> str:
+    return digest_json(code_identity(fn))
+
+
+#: Attributes whose values differ from one process to the next for the same object, by the
+#: qualified name of the class that has them (and its subclasses). transformers'
+#: GenerationConfig keeps ``hash(self)``, which string hash randomization changes per process.
+VOLATILE_ATTRIBUTES: dict[str, set[str]] = {
+    "transformers.generation.configuration_utils.GenerationConfig": {"_original_object_hash"},
+}
+
+
+def ignore_attribute(cls: type | str, name: str) -> None:
+    """Leave attribute ``name`` of ``cls`` (and subclasses) out of every fingerprint: for
+    values that change per process (a ``hash()``, an ``id()``) and do not change the model."""
+    qualname = cls if isinstance(cls, str) else _qualname(cls)
+    VOLATILE_ATTRIBUTES.setdefault(qualname, set()).add(name)
+
+
+def volatile_attributes(cls: type) -> set[str]:
+    out: set[str] = set()
+    for base in cls.__mro__:
+        out |= VOLATILE_ATTRIBUTES.get(_qualname(base), set())
+    return out
 
 
 def _slot_values(value: Any) -> list[tuple[str, Any]] | None:
@@ -197,7 +240,22 @@ def _(value: torch.Size, walk: _Walk) -> Any:
 
 @fingerprint_type.register(torch.Tensor)
 def _(value: torch.Tensor, walk: _Walk) -> Any:
+    name = walk.state_names.get(id(value))
+    if name is not None:
+        return {"state": name, "dtype": str(value.dtype), "shape": list(value.shape)}
     return {"tensor": tensor_digest(value), "dtype": str(value.dtype), "shape": list(value.shape)}
+
+
+@fingerprint_type.register(weakref.ref)
+def _(value: weakref.ref, walk: _Walk) -> Any:
+    # a weak reference is a cache of something held elsewhere (nn.LSTM's _flat_weight_refs
+    # point to its parameters): what it points to is fingerprinted where it is held
+    target = value()
+    if target is None:
+        return {"weakref": None}
+    if isinstance(target, torch.Tensor):
+        return {"weakref": "tensor", "dtype": str(target.dtype), "shape": list(target.shape)}
+    return {"weakref": walk.child("()", target)}
 
 
 @fingerprint_type.register(types.ModuleType)
@@ -239,7 +297,11 @@ try:
     @fingerprint_type.register(np.ndarray)
     def _(value: np.ndarray, walk: _Walk) -> Any:
         arr = np.ascontiguousarray(value)
-        return {"ndarray": digest_bytes(arr.view(np.uint8).reshape(-1)), "dtype": str(arr.dtype)}
+        return {
+            "ndarray": digest_bytes(arr.reshape(-1).view(np.uint8)),
+            "dtype": str(arr.dtype),
+            "shape": list(arr.shape),
+        }
 
     @fingerprint_type.register(np.generic)
     def _(value: Any, walk: _Walk) -> Any:
@@ -421,13 +483,19 @@ def structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
 def _structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
     classes: list[type] = []
     modules: dict[str, str] = {}
+    state_names: dict[int, str] = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False)] + [
+        *module.named_buffers(remove_duplicate=False)
+    ]:
+        state_names.setdefault(id(t), name)
     for name, sub in module.named_modules(remove_duplicate=False):
         classes.append(type(sub))
-        walk = _Walk()
+        walk = _Walk(state_names)
         walk.path.append(name or "<root>")
         attrs = {}
+        skip = volatile_attributes(type(sub))
         for k, v in sorted(vars(sub).items()):
-            if k in _SKIP_ATTRS:
+            if k in _SKIP_ATTRS or k in skip:
                 continue
             if isinstance(v, dict) and k.startswith("_") and k.endswith("hooks") and not v:
                 continue
@@ -503,15 +571,130 @@ def _file_digest(path: str) -> str:
     return _file_cache[ident]
 
 
-def _module_deps(module: types.ModuleType) -> Iterable[str]:
-    """Names of the modules a module's globals come from (its imports)."""
-    for value in list(vars(module).values()):
-        if isinstance(value, types.ModuleType):
-            yield value.__name__
-        else:
-            owner = getattr(value, "__module__", None)
-            if isinstance(owner, str):
-                yield owner
+def _is_own(name: str) -> bool:
+    """graphbuild's own modules: covered by its version in a model's closure, never by
+    following them (what a script's ``import graphbuild`` has loaded so far must not matter)."""
+    return name == "graphbuild" or name.startswith("graphbuild.")
+
+
+@functools.cache
+def _graphbuild_version() -> str:
+    try:
+        return f"graphbuild {importlib.metadata.version('graphbuild')}"
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - always installed
+        return "graphbuild (unversioned)"
+
+
+def _find_file(name: str) -> str | None:
+    """The source file of module ``name``, found on disk without importing anything;
+    ``sys.modules`` is consulted first (``__main__``, a module built in memory exist nowhere
+    else, and a loaded module's file is the one found on disk anyway)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        path = getattr(module, "__file__", None)
+    else:
+        spec = _find_spec(name)
+        path = getattr(spec, "origin", None) if spec is not None else None
+    if not path or not os.path.exists(path):
+        return None
+    return path
+
+
+def _find_spec(name: str) -> Any:
+    top, *rest = name.split(".")
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+    except (ImportError, ValueError):
+        return None
+    prefix = top
+    for part in rest:
+        parent = sys.modules.get(prefix)
+        locations = getattr(parent, "__path__", None) if parent is not None else None
+        if locations is None and spec is not None:
+            locations = spec.submodule_search_locations
+        if not locations:
+            return None
+        prefix = f"{prefix}.{part}"
+        spec = importlib.machinery.PathFinder.find_spec(prefix, list(locations))
+        if spec is None:
+            return None
+    return spec
+
+
+def _static_imports(path: str, name: str) -> tuple[str, ...]:
+    """Every module the source file at ``path`` (module ``name``) imports, wherever the import
+    statement is (top level or inside a function): a function of the file's text alone."""
+    st = os.stat(path)
+    ident = (path, name, st.st_mtime_ns, st.st_size)
+    if ident not in _imports_cache:
+        _imports_cache[ident] = _parse_imports(Path(path).read_bytes(), path, name)
+    return _imports_cache[ident]
+
+
+_imports_cache: dict[tuple[str, str, int, int], tuple[str, ...]] = {}
+
+
+def _parse_imports(source: bytes, path: str, name: str) -> tuple[str, ...]:
+    try:
+        tree = ast.parse(source, filename=path)
+    except (SyntaxError, ValueError) as err:
+        raise FingerprintError(f"cannot parse {path} to find its imports ({err})") from err
+    package = name if os.path.basename(path) == "__init__.py" else name.rpartition(".")[0]
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".") if package else []
+                parts = parts[: len(parts) - (node.level - 1)] if node.level > 1 else parts
+                base = ".".join([*parts, *([base] if base else [])])
+            if not base:
+                continue
+            out.append(base)
+            # ``from pkg import sub`` may name a submodule: kept only if one exists on disk
+            out += [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
+    return tuple(dict.fromkeys(out))
+
+
+def code_closure(modules: Iterable[str], *, own: bool = False) -> dict[str, str]:
+    """Digests of the source files of ``modules`` and of every module they import from
+    outside the installed libraries, transitively, read from the files themselves (not from
+    what ``sys.modules`` holds); installed libraries appear as their versions. graphbuild's
+    own modules are followed only with ``own=True`` (a stage's code); a model's closure
+    covers graphbuild by its version."""
+    out: dict[str, str] = {}
+    todo = collections.deque(modules)
+    done: set[str] = set()
+    while todo:
+        name = todo.popleft()
+        if name in done or not name:
+            continue
+        done.add(name)
+        top = name.split(".")[0]
+        if _is_own(name) and not own:
+            out["<lib graphbuild>"] = _graphbuild_version()
+            continue
+        if top in sys.builtin_module_names or top in sys.stdlib_module_names:
+            out[f"<lib {top}>"] = _library_version(name)
+            continue
+        top_path = _find_file(top)
+        if top_path is not None and _is_library(top_path):
+            out[f"<lib {top}>"] = _library_version(name)
+            continue
+        path = _find_file(name)
+        if path is None:
+            if "." in name and name.rpartition(".")[0] in done:
+                continue  # ``from module import name``: a name, not a submodule
+            out[f"<lib {top}>"] = _library_version(name)
+            continue
+        if _is_library(path):
+            out[f"<lib {top}>"] = _library_version(name)
+            continue
+        out[name] = _file_digest(path)
+        todo.extend(_static_imports(path, name))
+    return dict(sorted(out.items()))
 
 
 def code_fingerprint(classes: Iterable[type]) -> dict[str, str]:
@@ -519,27 +702,20 @@ def code_fingerprint(classes: Iterable[type]) -> dict[str, str]:
     module they import from outside site-packages, transitively; versions of the installed
     distributions the rest comes from. Raises FingerprintError when source is unavailable."""
     out: dict[str, str] = {}
-    todo: list[str] = []
+    names: list[str] = []
     for cls in classes:
         for base in cls.__mro__:
             if base.__module__ in ("builtins",) or base is torch.nn.Module:
                 continue
-            todo.append(base.__module__)
-            if base.__module__ == "__main__" or not _module_file(base.__module__):
+            names.append(base.__module__)
+            if _is_own(base.__module__):
+                # a model built on a graphbuild class: that class's file, not all of graphbuild
+                path = _find_file(base.__module__)
+                if path is not None:
+                    out[base.__module__] = _file_digest(path)
+            elif base.__module__ == "__main__" or not _find_file(base.__module__):
                 out[f"<source {_qualname(base)}>"] = _class_source_digest(base)
-    done: set[str] = set()
-    while todo:
-        name = todo.pop()
-        if name in done:
-            continue
-        done.add(name)
-        path = _module_file(name)
-        if path is None or _is_library(path):
-            lib = _library_version(name)
-            out[f"<lib {name.split('.')[0]}>"] = lib
-            continue
-        out[os.path.realpath(path)] = _file_digest(path)
-        todo.extend(_module_deps(sys.modules[name]))
+    out.update(code_closure(dict.fromkeys(names)))
     return dict(sorted(out.items()))
 
 
@@ -591,7 +767,7 @@ def _callable_version(fn: Callable) -> str:
         code = getattr(target, "__code__", None)
         if code is None:
             return f"builtin:{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
-        source = repr((code.co_code, code.co_consts, code.co_names))
+        source = _code_form(code)
     parts: list[Any] = [source]
     defaults = getattr(target, "__defaults__", None)
     if defaults:
@@ -602,12 +778,176 @@ def _callable_version(fn: Callable) -> str:
     return digest_json(parts)
 
 
+def _code_form(code: types.CodeType) -> Any:
+    """A code object without its source, in a form that is the same in every process: the
+    default ``repr`` of a nested code object holds its address, and a frozenset constant's
+    order follows string hash randomization."""
+    return [
+        digest_bytes(code.co_code),
+        [_const_form(c) for c in code.co_consts],
+        list(code.co_names),
+    ]
+
+
+def _const_form(value: Any) -> Any:
+    if isinstance(value, types.CodeType):
+        return {"code": _code_form(value)}
+    if isinstance(value, (frozenset, set)):
+        return {"set": sorted((_const_form(v) for v in value), key=digest_json)}
+    if isinstance(value, tuple):
+        return [_const_form(v) for v in value]
+    if isinstance(value, float):
+        return {"float": value.hex()}
+    if isinstance(value, (str, int, bool, type(None))):
+        return value
+    return {type(value).__name__: repr(value)}  # bytes, complex, Ellipsis
+
+
 def _closure_value(cell: types.CellType) -> Any:
     try:
         value = cell.cell_contents
     except ValueError:
         return None
     return fingerprint(value)
+
+
+def code_identity(obj: Any) -> Any:
+    """A registered object (a recogniser, a codec, a preset factory, a fingerprint function)
+    as code: its source, the source files it can reach, and its configuration (attributes);
+    fingerprinted like a stage's code, so registering or editing one changes the keys of the
+    stages that consult it."""
+    if isinstance(obj, functools.partial):
+        return {
+            "partial": code_identity(obj.func),
+            "args": fingerprint(list(obj.args)),
+            "keywords": fingerprint(dict(obj.keywords)),
+        }
+    target = getattr(obj, "__func__", obj)
+    if isinstance(target, type):
+        return {"class": _qualname(target), "files": _files_of(target.__module__)}
+    if hasattr(target, "__code__"):
+        module = getattr(target, "__module__", None) or ""
+        return {"function": callable_version(target), "files": _files_of(module)}
+    return {"object": fingerprint(obj), "files": _files_of(type(obj).__module__)}
+
+
+def stage_code_version(fn: Callable) -> str:
+    """A stage's code version: its source (``callable_version``) and the source files its
+    code can reach: its own module's file, the modules it imports (inside the function or
+    at the top of its file, for the names it uses), and theirs, transitively. graphbuild's
+    own stages key on exactly the files they use, not on the whole package."""
+    return digest_json({"fn": callable_version(fn), "files": function_files(fn)})
+
+
+def function_files(fn: Callable) -> dict[str, str]:
+    """The source files a function's code can reach (see :func:`stage_code_version`)."""
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    target = getattr(target, "__func__", target)
+    if not hasattr(target, "__code__"):
+        return _files_of(type(target).__module__)  # a callable object: its class's module
+    module = getattr(target, "__module__", None) or ""
+    path = _find_file(module)
+    if path is None or _is_library(path):
+        return {}
+    modules: list[str] = []
+    _function_modules(target, module, path, modules, set())
+    out = {module: _file_digest(path)}
+    out.update(code_closure(dict.fromkeys(m for m in modules if m != module), own=True))
+    return dict(sorted(out.items()))
+
+
+def _function_modules(
+    fn: Any, module: str, path: str, out: list[str], seen: set[types.CodeType]
+) -> None:
+    code = getattr(fn, "__code__", None)
+    if code is None or code in seen:
+        return
+    seen.add(code)
+    bound = _top_level_imports(path, module)
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    for name in sorted(names):
+        out.extend(bound.get(name, ()))
+        value = getattr(fn, "__globals__", {}).get(name)
+        if isinstance(value, types.FunctionType) and value.__module__ == module:
+            _function_modules(value, module, path, out, seen)  # a helper in the same file
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return
+    out.extend(_parse_imports(source.encode(), path, module))
+
+
+def _top_level_imports(path: str, name: str) -> dict[str, tuple[str, ...]]:
+    """Names a file binds by import statements outside its functions -> the modules they
+    may come from."""
+    st = os.stat(path)
+    ident = (path, name, st.st_mtime_ns, st.st_size)
+    if ident not in _bound_cache:
+        _bound_cache[ident] = _parse_bound_names(Path(path).read_bytes(), path, name)
+    return _bound_cache[ident]
+
+
+_bound_cache: dict[tuple[str, str, int, int], dict[str, tuple[str, ...]]] = {}
+
+
+def _parse_bound_names(source: bytes, path: str, name: str) -> dict[str, tuple[str, ...]]:
+    tree = ast.parse(source, filename=path)
+    out: dict[str, list[str]] = {}
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = _parse_imports(ast.unparse(node).encode(), path, name)
+            for alias in node.names:
+                bound = alias.asname or alias.name.split(".")[0]
+                out.setdefault(bound, []).extend(modules)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return {k: tuple(dict.fromkeys(v)) for k, v in out.items()}
+
+
+def _files_of(module: str) -> dict[str, str]:
+    if module == "__main__" or not _find_file(module):
+        return {}
+    return code_closure([module], own=_is_own(module))
+
+
+#: Registries that stages consult, by name: a stage that declares ``"registry.<name>"`` keys
+#: on the code and configuration of every entry (DESIGN.md, invariant 9).
+_REGISTRIES: dict[str, Callable[[], Iterable[Any]]] = {}
+
+
+def register_registry(name: str, entries: Callable[[], Iterable[Any]]) -> None:
+    """Make ``"registry.<name>"`` a read: ``entries()`` returns the registered objects (or a
+    mapping of names to them) at the time a key is computed."""
+    _REGISTRIES[name] = entries
+
+
+def read_registry(name: str) -> Reading:
+    entries = _REGISTRIES.get(name)
+    if entries is None:
+        known = ", ".join(sorted(_REGISTRIES)) or "none"
+        return Reading(None, reason=f"registry.{name}: no such registry (known: {known})")
+    try:
+        current = entries()
+        if isinstance(current, Mapping):
+            form: Any = {"entries": [[k, code_identity(v)] for k, v in sorted(current.items())]}
+        else:
+            form = [code_identity(v) for v in current]
+    except FingerprintError as err:
+        return Reading(None, reason=f"registry.{name}: {err}")
+    digest = digest_json(form)
+    size = len(form["entries"]) if isinstance(form, dict) else len(form)
+    return Reading(digest, f"{size} entries <{digest[:12]}>")
 
 
 # --------------------------------------------------------------------------- facets
@@ -660,6 +1000,8 @@ class InputFacets:
         self._cache: dict[str, Reading] = {}
 
     def read(self, facet: str) -> Reading:
+        if facet.startswith("registry."):
+            return read_registry(facet[len("registry.") :])
         if facet not in self._cache:
             self._cache[facet] = self._compute(facet)
         return self._cache[facet]
@@ -703,3 +1045,7 @@ def _samples_spec(samples: Any) -> Reading:
             shown.append(fingerprint(leaf))
     value = [str(spec), shown]
     return Reading(digest_json(value), shown if len(shown) <= 8 else _short(value))
+
+
+# the fingerprint functions graphbuild registers itself; any other registration carries its code
+_BUILTIN_FINGERPRINTS = frozenset(fingerprint_type.registry.values())

@@ -4,7 +4,9 @@ A stage is ``fn(inputs, sample_inputs, context)``; ``inputs`` is the tuple of it
 dependencies' outputs in the order they were declared (the pipeline input for a root stage).
 ``reads`` names what the stage's output depends on besides its inputs: context keys
 (``"ctx.opset"``) and facets of the pipeline input (``"input.structure"``, ``"input.state"``,
-``"samples.spec"``, ``"samples.values"``). ``None`` means "everything", conservatively.
+``"samples.spec"``, ``"samples.values"``) and registries it consults (``"registry.recognizers"``:
+the code and configuration of every registered entry). ``None`` means "everything",
+conservatively.
 """
 
 from __future__ import annotations
@@ -53,10 +55,13 @@ def _check_reads(name: str, reads: Iterable[str] | None) -> tuple[str, ...] | No
     for r in out:
         if r in ("input", "samples", UNKEYED_INPUT) or (r.startswith("ctx.") and len(r) > 4):
             continue
+        if r.startswith("registry.") and len(r) > len("registry."):
+            continue
         if r not in FACETS:
             raise PipelineError(
-                f"stage '{name}' declares unknown read '{r}'; use 'ctx.<key>', 'input', "
-                f"'samples', '{UNKEYED_INPUT}' or one of: {', '.join(FACETS)}"
+                f"stage '{name}' declares unknown read '{r}'; use 'ctx.<key>', "
+                f"'registry.<name>', 'input', 'samples', '{UNKEYED_INPUT}' or one of: "
+                f"{', '.join(FACETS)}"
             )
     return out
 

@@ -19,14 +19,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphbuild.cache import Cache, CorruptEntry
-from graphbuild.engine.codecs import encode
-from graphbuild.engine.fingerprint import FACETS, InputFacets, Reading, callable_version, read_value
-from graphbuild.engine.hashing import digest_bytes
+from graphbuild.engine.codecs import codec_modules, encode, snapshot
+from graphbuild.engine.fingerprint import (
+    _REGISTRIES,
+    FACETS,
+    InputFacets,
+    Reading,
+    code_closure,
+    code_identity,
+    read_value,
+    stage_code_version,
+)
+from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.engine.key import stage_key
 from graphbuild.engine.pipeline import UNKEYED_INPUT
 from graphbuild.errors import (
     FingerprintMismatchError,
     GraphbuildError,
+    InputMutationError,
     StageError,
     UndeclaredReadError,
 )
@@ -215,26 +225,43 @@ class StageContext(Mapping[str, Any]):
 
 
 @functools.cache
-def _package_digest() -> str:
-    root = Path(__file__).parent.parent
-    # the command line and config files do not change what any stage computes
-    files = sorted(
-        f for f in root.rglob("*.py") if f.relative_to(root).parts[0] not in ("cli", "config.py")
-    )
+def _engine_digest() -> str:
+    """The engine's own files (keys, fingerprints, codecs, scheduler): they decide what every
+    key means. Each stage's code is keyed by the files it reaches (``stage_code_version``),
+    so editing one stage's module reruns that stage, not every stage."""
+    root = Path(__file__).parent
+    files = sorted(root.glob("*.py"))
     return digest_bytes(b"".join(f.read_bytes() for f in files))[:16]
 
 
 @functools.cache
-def toolchain_versions() -> dict[str, str]:
-    """Versions that every key includes: a new torch or graphbuild invalidates the cache."""
+def _tool_versions() -> dict[str, str]:
     out = {}
     for dist in ("torch", "onnx", "onnxscript", "onnx-ir", "torchao", "graphbuild"):
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             out[dist] = "absent"
-    out["graphbuild"] += f"+{_package_digest()}"
+    out["graphbuild"] += f"+{_engine_digest()}"
     return out
+
+
+def codecs_digest() -> str:
+    """The artifact codecs every stage's output goes through: their code and configuration.
+    Loaded or not yet (a lazily registered codec), a codec counts the same."""
+    form = []
+    for name, module, codec in codec_modules():
+        entry: dict[str, Any] = {"name": name, "files": code_closure([module], own=True)}
+        if codec is not None and vars(codec):
+            entry["config"] = code_identity(codec)
+        form.append(entry)
+    return digest_json(form)[:16]
+
+
+def toolchain_versions() -> dict[str, str]:
+    """Versions that every key includes: a new torch or graphbuild engine, or a new codec,
+    invalidates the cache."""
+    return {**_tool_versions(), "codecs": codecs_digest()}
 
 
 def plan_reads(pipeline: Pipeline, name: str, context: Mapping[str, Any]) -> tuple[str, ...]:
@@ -252,9 +279,10 @@ def plan_reads(pipeline: Pipeline, name: str, context: Mapping[str, Any]) -> tup
                 reads.append(r)
         return tuple(dict.fromkeys(reads))
     ctx = tuple(f"ctx.{k}" for k in sorted(context))
+    registries = tuple(f"registry.{r}" for r in sorted(_REGISTRIES))
     if not pipeline.dependencies(name):
-        return (*FACETS, *ctx)
-    return ("samples.spec", "samples.values", *ctx)
+        return (*FACETS, *ctx, *registries)
+    return ("samples.spec", "samples.values", *ctx, *registries)
 
 
 _MISSING = {"missing": True}
@@ -308,6 +336,9 @@ class _Run:
         self.states: dict[str, _State] = {}
         self.ran_order: list[str] = []
         self.failure: StageError | None = None
+        # set when a stage edited an upstream output in place: that value is no longer what
+        # its digest says, so no other stage may read it; the run stops
+        self.stopped: str | None = None
 
     def emit(self, event: StageEvent) -> None:
         for listener in self.listeners:
@@ -335,7 +366,7 @@ class _Run:
     @staticmethod
     def _code_version(stage: Stage) -> str:
         try:
-            return callable_version(stage.fn)
+            return stage_code_version(stage.fn)
         except GraphbuildError as err:
             raise GraphbuildError(f"stage '{stage.name}': {err}") from err
 
@@ -348,6 +379,11 @@ class _Run:
             self.states[name] = st
             deps = self.pipeline.dependencies(name)
             blocked = [d for d in deps if self.states[d].record.status in ("failed", "skipped")]
+            if self.stopped is not None:
+                st.record.status = "skipped"
+                st.record.reason = f"the run stopped: stage '{self.stopped}' edited its input"
+                self.emit(StageEvent(EventKind.SKIPPED, name, reason=st.record.reason))
+                continue
             if blocked:
                 st.record.status = "skipped"
                 st.record.reason = f"upstream '{blocked[0]}' did not complete"
@@ -383,8 +419,17 @@ class _Run:
         t0 = time.perf_counter()
         try:
             inputs = self._inputs(name)
+            before = self._snapshots(name, inputs)
             value = stage.fn(inputs, self.samples, self._context(name, stage, st.reads))
+            self._check_inputs(name, inputs, before)
             digest = encode(value).digest
+        except InputMutationError as err:
+            rec.status, rec.error = "failed", str(err)
+            rec.seconds = time.perf_counter() - t0
+            self.stopped = name
+            self.failure = StageError(name, err, tuple(self.ran_order))
+            self.emit(StageEvent(EventKind.FAILED, name, rec.key, rec.seconds, rec.reason, err))
+            return
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as err:
@@ -470,15 +515,19 @@ class _Run:
         ctx = self._context(name, stage, st.reads)
         t0 = time.perf_counter()
         try:
+            before = self._snapshots(name, inputs)
             value = stage.fn(inputs, self.samples, ctx)
             if ctx.violation is not None:  # read undeclared, then caught the error
                 raise ctx.violation
+            self._check_inputs(name, inputs, before)
             encoded = encode(value)
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as err:
             rec.seconds = time.perf_counter() - t0
             rec.status, rec.error = "failed", f"{type(err).__name__}: {err}"
+            if isinstance(err, InputMutationError):
+                self.stopped = name
             self.failure = StageError(name, err, tuple(self.ran_order))
             self.emit(StageEvent(EventKind.FAILED, name, key, rec.seconds, rec.reason, err))
             return
@@ -492,6 +541,31 @@ class _Run:
                 self.cache.store(key, encoded, self._manifest_record(name))
         self._remember(name)
         self.emit(StageEvent(EventKind.RAN, name, key, rec.seconds, rec.reason))
+
+    def _snapshots(self, name: str, inputs: Any) -> list[Any] | None:
+        """Tokens of a stage's inputs (its upstream outputs) taken before it runs."""
+        if not self.pipeline.dependencies(name):
+            return None
+        return [snapshot(value) for value in inputs]
+
+    def _check_inputs(self, name: str, inputs: Any, before: list[Any] | None) -> None:
+        """Inputs are read-only (DESIGN.md, invariant 9): a stage that changed an upstream
+        output in place fails, naming itself and the upstream. In check mode every input is
+        also re-encoded and must still have the digest its upstream recorded."""
+        if before is None:
+            return
+        deps = self.pipeline.dependencies(name)
+        for dep, value, token in zip(deps, inputs, before, strict=True):
+            if token is not None and snapshot(value) != token:
+                raise InputMutationError(name, dep)
+        if not self.check:
+            return
+        for dep, value in zip(deps, inputs, strict=True):
+            recorded = self.states[dep].record.digest
+            if encode(value).digest != recorded:
+                raise InputMutationError(
+                    name, dep, "left its input with a different digest than it was given"
+                )
 
     def _context(self, name: str, stage: Stage, reads: tuple[str, ...]) -> StageContext:
         allowed = None if stage.reads is None else {r[4:] for r in reads if r.startswith("ctx.")}

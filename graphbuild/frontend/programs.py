@@ -9,8 +9,9 @@ carries values (PT2E output) stores its state as raw tensors.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,12 +98,61 @@ def with_state(program: ExportedProgram, state: Mapping[str, torch.Tensor]) -> E
 _VOLATILE_META = ("stack_trace", "from_node", "seq_nr")
 
 
+def _all_nodes(program: ExportedProgram) -> list[torch.fx.Node]:
+    """Every node of the program, in the graphs of higher-order ops too (a ``torch.no_grad``
+    block, a ``cond``): their metadata is serialized like the top graph's."""
+    return [
+        node
+        for module in program.graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    ]
+
+
 def strip_stack_traces(program: ExportedProgram) -> None:
     """Drop node metadata that is not the graph: source locations (a moved comment must not
     change the artifact) and provenance that holds Python object ids (differs per process)."""
-    for node in program.graph.nodes:
+    for node in _all_nodes(program):
         for key in _VOLATILE_META:
             node.meta.pop(key, None)
+
+
+@contextlib.contextmanager
+def _without_volatile_meta(program: ExportedProgram) -> Iterator[None]:
+    """The program without volatile metadata for the time of the block, then as it was:
+    encoding a value never changes it."""
+    held = []
+    for node in _all_nodes(program):
+        for key in _VOLATILE_META:
+            if key in node.meta:
+                held.append((node, key, node.meta.pop(key)))
+    try:
+        yield
+    finally:
+        for node, key, value in held:
+            node.meta[key] = value
+
+
+def program_token(program: ExportedProgram) -> Any:
+    """A cheap token of a program's graph, signature and tensors: equal before and after a
+    stage runs unless the stage edited the program in place."""
+    nodes = [
+        (
+            node.name,
+            node.op,
+            str(node.target),
+            repr(torch.fx.node.map_arg(node.args, lambda a: a.name)),
+            repr(torch.fx.node.map_arg(node.kwargs, lambda a: a.name)),
+        )
+        for node in _all_nodes(program)
+    ]
+    tensors = [
+        (name, id(t), t._version)
+        for source in (program.state_dict, program.constants)
+        for name, t in source.items()
+        if isinstance(t, torch.Tensor)
+    ]
+    return [nodes, sorted(tensors), repr(program.graph_signature), id(program.graph_module)]
 
 
 class ProgramCodec(Codec):
@@ -111,8 +161,8 @@ class ProgramCodec(Codec):
 
     def encode(self, value: ProgramArtifact) -> Encoded:
         program = value.program
-        strip_stack_traces(program)
-        graph = serialize_program_graph(program)
+        with _without_volatile_meta(program):
+            graph = serialize_program_graph(program)
         constants = _tensor_constants(program.constants)
         specs = state_specs(program)
         meta = {
@@ -152,6 +202,9 @@ class ProgramCodec(Codec):
             }
         program = deserialize_program(parts[0], state, constants)
         return ProgramArtifact(program, meta["has_state"])
+
+    def snapshot(self, value: ProgramArtifact) -> Any:
+        return program_token(value.program)
 
 
 def _tensor_constants(constants: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 
 from graphbuild.engine.codecs import Codec, Encoded, Part, register_codec
+from graphbuild.engine.hashing import digest_bytes
 from graphbuild.onnx.bind import BoundModel
 
 
@@ -28,6 +29,9 @@ class OnnxCodec(Codec):
         model = onnx.ModelProto()
         model.ParseFromString(bytes(parts[0]))
         return model
+
+    def snapshot(self, value: onnx.ModelProto) -> Any:
+        return digest_bytes(value.SerializeToString(deterministic=True))
 
 
 def _array_part(array: np.ndarray) -> Part:
@@ -53,6 +57,11 @@ class BoundModelCodec(Codec):
         for (name, dtype, shape), data in zip(meta, parts[1:], strict=True):
             tensors[name] = np.frombuffer(bytearray(data), dtype=_np_dtype(dtype)).reshape(shape)
         return BoundModel(model, tensors)
+
+    def snapshot(self, value: BoundModel) -> Any:
+        # the graph in full; each array by identity and address (numpy keeps no version)
+        arrays = [(n, id(a), a.__array_interface__["data"][0]) for n, a in value.tensors.items()]
+        return [digest_bytes(value.model.SerializeToString(deterministic=True)), sorted(arrays)]
 
 
 def _dtype_name(array: np.ndarray) -> str:

@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 from graphbuild.engine.codecs import FileArtifact, roundtrip
+from graphbuild.engine.fingerprint import register_registry
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
 from graphbuild.errors import ConfigError
 from graphbuild.frontend.capture import as_args, capture
@@ -216,6 +217,26 @@ def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
     return compare_outputs(bound, doc, reference, as_args(samples), reinsert=False)
 
 
+# --------------------------------------------------------------------------- registries
+
+
+def _recognizers() -> tuple:
+    from graphbuild.frontend.normalize import recognizers
+
+    return recognizers()
+
+
+def _quantizer_presets() -> dict:
+    from graphbuild.frontend.quantize import QUANTIZER_PRESETS
+
+    return dict(QUANTIZER_PRESETS)
+
+
+# what normalize and quantize consult besides their inputs: part of their keys
+register_registry("recognizers", _recognizers)
+register_registry("quantizer_presets", _quantizer_presets)
+
+
 # --------------------------------------------------------------------------- wiring
 
 
@@ -239,6 +260,7 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
             reads=(
                 "input.state",
                 "ctx.quantizer",
+                "registry.quantizer_presets",
                 "ctx.calibration",
                 "samples.spec",
                 "samples.values",
@@ -246,7 +268,9 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         ).depends_on(cap)
     quantized = opts.quantizer is not None
     norm = p.register_stage(
-        normalize_quantized if quantized else normalize, "normalize", reads=()
+        normalize_quantized if quantized else normalize,
+        "normalize",
+        reads=("registry.recognizers",),
     ).depends_on(source)
     qmap = p.register_stage(quant_map, "quant_map", reads=()).depends_on(norm)
     if quantized:

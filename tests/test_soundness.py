@@ -1,0 +1,474 @@
+"""Sound, stable keys (issue 8): never a stale artifact, never a needless re-trace.
+
+Each test reproduces one defect found on real models: a stage editing its input in place,
+registries missing from keys, fingerprints that depend on the process, a marker graph that
+changed with the preset, and the smaller holes (ndarray shape, the package digest).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import graphbuild as gb
+import graphbuild.engine.codecs as codecs
+from graphbuild.engine.codecs import Encoded, JsonCodec, Part, encode, register_codec, roundtrip
+from graphbuild.engine.fingerprint import (
+    callable_version,
+    fingerprint,
+    fingerprint_type,
+    function_files,
+    structure_fingerprint,
+)
+from graphbuild.engine.pipeline import Pipeline
+from graphbuild.errors import InputMutationError, StageError
+from graphbuild.frontend.normalize import recognizers, register_recognizer
+from graphbuild.frontend.programs import ProgramArtifact
+from graphbuild.frontend.quantize import QUANTIZER_PRESETS
+from graphbuild.targets.qnn import build_qnn_pipeline
+from tests.models import FakeQuantConvNet
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = (torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(3)),)
+
+
+def convnet() -> nn.Module:
+    torch.manual_seed(0)
+    return FakeQuantConvNet().eval()
+
+
+def export(out, cache, model=None, factory=None, **options):
+    return gb.export(
+        model if model is not None else convnet(),
+        SAMPLE,
+        out,
+        "model",
+        options=gb.QnnOnnxOptions(**options),
+        cache=cache,
+        pipeline_factory=factory,
+    )
+
+
+def files(art) -> dict[str, bytes]:
+    return {k: Path(v).read_bytes() for k, v in art.files.items() if k != "lock"}
+
+
+# --------------------------------------------------------------------------- 1. in place
+
+
+def relu_to_clamp(program: torch.export.ExportedProgram) -> None:
+    """An FX pass that edits the graph in place, as FX passes usually do."""
+    gm = program.graph_module
+    for node in list(gm.graph.nodes):
+        if node.target == torch.ops.aten.relu.default:
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(torch.ops.aten.clamp_min.default, (node.args[0], 0.0))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def clamp_in_place(inputs, samples, context):
+    (marker,) = inputs
+    relu_to_clamp(marker.program)
+    return marker
+
+
+def clamp_a_copy(inputs, samples, context):
+    (marker,) = inputs
+    program = copy.deepcopy(marker.program)
+    relu_to_clamp(program)
+    return ProgramArtifact(program)
+
+
+def after_marker_graph(fn):
+    def factory(request):
+        p = build_qnn_pipeline(request)
+        p.insert_stage_after("marker_graph", fn, "clamp", reads=())
+        return p
+
+    return factory
+
+
+def test_a_stage_that_edits_its_input_program_in_place_fails_naming_itself(tmp_path):
+    with pytest.raises(StageError) as info:
+        export(tmp_path / "out", tmp_path / "cache", factory=after_marker_graph(clamp_in_place))
+
+    assert info.value.stage == "clamp"
+    assert isinstance(info.value.cause, InputMutationError)
+    assert "'marker_graph'" in str(info.value) and "copy" in str(info.value)
+
+
+def test_a_stage_that_edits_a_copy_gives_the_uncached_result_cold_and_warm(tmp_path):
+    factory = after_marker_graph(clamp_a_copy)
+    uncached = export(tmp_path / "plain", False, factory=factory, check_numerics=True)
+    cold = export(tmp_path / "cold", tmp_path / "cache", factory=factory)
+    warm = export(tmp_path / "warm", tmp_path / "cache", factory=factory)
+
+    assert set(warm.report.statuses.values()) == {"hit"}
+    assert files(cold) == files(uncached) == files(warm)
+    assert uncached.report.extra["numerics"]["outputs"][0]["max_error_steps"] == 0.0
+
+
+def test_a_stage_that_writes_into_an_upstream_tensor_fails_and_its_sibling_never_sees_it(
+    tmp_path,
+):
+    seen = []
+
+    def weights(inputs, samples, ctx):
+        return {"w": torch.zeros(3)}
+
+    def bump(inputs, samples, ctx):
+        (state,) = inputs
+        state["w"].add_(1.0)
+        return state
+
+    def total(inputs, samples, ctx):
+        seen.append(float(inputs[0]["w"].sum()))
+        return float(inputs[0]["w"].sum())
+
+    p = Pipeline(name="siblings")
+    p.register_stage(weights, "weights", reads=())
+    p.register_stage(bump, "bump", reads=()).depends_on("weights")
+    p.register_stage(total, "total", reads=()).depends_on("weights")
+
+    with pytest.raises(StageError) as info:
+        p.run(None, cache=gb.Cache(tmp_path / "cache"))
+
+    assert info.value.stage == "bump" and isinstance(info.value.cause, InputMutationError)
+    assert seen == []  # the failure stops the run before a sibling reads the edited tensor
+
+
+def test_encoding_a_program_leaves_its_metadata_as_it_was():
+    program = torch.export.export(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), (torch.ones(1, 2),))
+    before = {n.name: n.meta.get("stack_trace") for n in program.graph.nodes}
+    assert any(before.values())
+
+    encode(ProgramArtifact(program))
+
+    assert {n.name: n.meta.get("stack_trace") for n in program.graph.nodes} == before
+
+
+def test_a_roundtripped_value_edited_after_its_first_encoding_is_encoded_afresh():
+    value = roundtrip({"a": [1, 2]})
+    first = encode(value)  # the scheduler's encoding of the stage that made it
+
+    value["a"].append(3)
+
+    assert encode(value).digest != first.digest
+    assert encode(value).digest == encode({"a": [1, 2, 3]}).digest
+
+
+# --------------------------------------------------------------------------- 2. registries
+
+
+class SymmetricActivations:
+    """A user recogniser: per-tensor fake quantizers, declared symmetric."""
+
+    def __init__(self):
+        self.inner = next(r for r in recognizers() if "per_tensor_affine" in repr(r))
+
+    def match(self, node, program):
+        m = self.inner.match(node, program)
+        return None if m is None else dataclasses.replace(m, symmetric=True)
+
+
+def test_registering_a_recognizer_reruns_normalize_with_its_result(tmp_path):
+    cache = tmp_path / "cache"
+    before = export(tmp_path / "a", cache)
+    recognizer = register_recognizer(SymmetricActivations(), first=True)
+    try:
+        cached = export(tmp_path / "b", cache)
+        uncached = export(tmp_path / "c", False)
+    finally:
+        from graphbuild.frontend.normalize import unregister_recognizer
+
+        unregister_recognizer(recognizer)
+
+    assert cached.report.statuses["capture"] == "hit"
+    assert cached.report.statuses["normalize"] == "ran"
+    assert "registry.recognizers" in cached.report["normalize"].reason
+    assert files(cached) == files(uncached) != files(before)
+
+
+def test_replacing_a_quantizer_preset_reruns_quantize_with_the_new_preset(tmp_path, monkeypatch):
+    from examples import convnet
+
+    model, samples = convnet.build()
+    calibration = convnet.calibration()
+
+    def run(out, cache):
+        return gb.export(
+            model,
+            samples,
+            out,
+            "m",
+            options=gb.QnnOnnxOptions(quantizer="w8a8", calibration=calibration),
+            cache=cache,
+        )
+
+    before = run(tmp_path / "a", tmp_path / "cache")
+    monkeypatch.setitem(QUANTIZER_PRESETS, "w8a8", QUANTIZER_PRESETS["w4a16"])
+    cached = run(tmp_path / "b", tmp_path / "cache")
+    uncached = run(tmp_path / "c", False)
+
+    assert cached.report.statuses["quantize"] == "ran"
+    assert "registry.quantizer_presets" in cached.report["quantize"].reason
+    assert files(cached) == files(uncached) != files(before)
+
+
+class LoudJsonCodec(JsonCodec):
+    """The built-in JSON codec's replacement: same name, different bytes."""
+
+    def encode(self, value):
+        return Encoded(self.name, {"loud": True}, [Part(repr(value).upper().encode())])
+
+
+def test_registering_a_codec_changes_every_key(tmp_path, monkeypatch):
+    monkeypatch.setattr(codecs, "_CODECS", list(codecs._CODECS))
+    monkeypatch.setattr(codecs, "_BY_NAME", dict(codecs._BY_NAME))
+    p = Pipeline(name="codecs")
+    p.register_stage(lambda i, s, c: {"x": 1}, "make", reads=())
+    cache = gb.Cache(tmp_path / "cache")
+    first = p.run(None, cache=cache).report
+
+    register_codec(LoudJsonCodec())
+    second = p.run(None, cache=cache).report
+
+    assert first["make"].key != second["make"].key
+    assert second["make"].status == "ran"
+    assert "toolchain.codecs" in second["make"].reason
+
+
+@dataclasses.dataclass
+class Knob:
+    name: str
+
+
+def test_a_registered_fingerprint_function_is_part_of_the_fingerprint():
+    before = fingerprint(Knob("a"))
+
+    @fingerprint_type.register(Knob)
+    def _(value, walk):
+        return value.name
+
+    try:
+        first = fingerprint(Knob("a"))
+
+        @fingerprint_type.register(Knob)
+        def _(value, walk):  # same values, other code: what "equal" means has changed
+            return str(value.name)
+
+        second = fingerprint(Knob("a"))
+    finally:
+        fingerprint_type.register(Knob, fingerprint_type.dispatch(object))
+
+    assert len({str(before), str(first), str(second)}) == 3
+
+
+# --------------------------------------------------------------------------- 3. processes
+
+
+def test_a_generation_config_hash_does_not_reach_the_structure():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    before = structure_fingerprint(model).digest
+
+    model.generation_config._original_object_hash = 12345  # what another process computes
+
+    assert structure_fingerprint(model).digest == before
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+def test_an_lstm_is_cached_and_its_weights_are_state_not_structure(tmp_path):
+    torch.manual_seed(0)
+    model = Recurrent().eval()
+    before = structure_fingerprint(model).digest  # weakrefs used to make this raise
+
+    with torch.no_grad():
+        model.lstm.weight_ih_l0.add_(1.0)
+
+    assert structure_fingerprint(model).digest == before
+    p = Pipeline(name="lstm")
+    p.register_stage(lambda m, s, c: 1, "capture", reads=("input.structure",))
+    cache = gb.Cache(tmp_path / "cache")
+    p.run(model, cache=cache)
+    assert p.run(model, cache=cache).report.statuses == {"capture": "hit"}
+
+
+def test_code_without_source_has_the_same_version_whatever_its_address():
+    source = "def f(x):\n    g = lambda y: y in {'a', 'b', 'c'}\n    return g(x)\n"
+    made = []
+    for _ in range(2):
+        scope: dict = {}
+        exec(compile(source, "<generated>", "exec"), scope)
+        made.append(scope["f"])
+
+    assert made[0].__code__.co_consts != ()  # holds the lambda's code object
+    assert callable_version(made[0]) == callable_version(made[1])
+
+
+SCRIPT = """
+import sys
+import torch
+from torch import nn
+import graphbuild as gb
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+def export(out):
+    torch.manual_seed(0)
+    return gb.export(Net().eval(), (torch.ones(1, 4),), out, "net", cache=sys.argv[1])
+
+
+if __name__ == "__main__":
+    export(sys.argv[2] + "/a")
+    report = export(sys.argv[2] + "/b").report
+    print("STATUSES", sorted(set(report.statuses.values())))
+    print("REASON", report["capture"].reason)
+"""
+
+
+def test_a_script_that_imports_graphbuild_exports_twice_without_a_retrace(tmp_path):
+    script = tmp_path / "export_twice.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "cache"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "STATUSES ['hit']" in done.stdout, done.stdout
+
+
+def test_a_module_imported_inside_forward_is_in_the_closure_before_forward_runs(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "gb_lazy_helper.py").write_text("def act(x):\n    return x.relu()\n")
+    (tmp_path / "gb_lazy_model.py").write_text(
+        textwrap.dedent(
+            """
+            from torch import nn
+
+            class Net(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.fc = nn.Linear(2, 2)
+
+                def forward(self, x):
+                    from gb_lazy_helper import act
+
+                    return act(self.fc(x))
+            """
+        )
+    )
+    importlib.invalidate_caches()
+    module = importlib.import_module("gb_lazy_model")
+    monkeypatch.setitem(sys.modules, "gb_lazy_model", module)
+    before = structure_fingerprint(module.Net()).digest
+    assert "gb_lazy_helper" not in sys.modules
+
+    (tmp_path / "gb_lazy_helper.py").write_text("def act(x):\n    return x.sigmoid()\n")
+
+    assert structure_fingerprint(module.Net()).digest != before
+
+
+# --------------------------------------------------------------------------- 4. GQA preset
+
+
+def test_a_grouped_query_decoder_keeps_its_onnx_graph_across_a_preset_change(tmp_path):
+    pytest.importorskip("transformers")
+    from examples import tiny_llama
+
+    model, samples = tiny_llama.build()  # 4 query heads, 2 key/value heads
+    assert model.model.config.num_key_value_heads < model.model.config.num_attention_heads
+    calibration = tiny_llama.calibration(batches=2)
+    reports = [
+        gb.export(
+            model,
+            samples,
+            tmp_path / preset,
+            "m",
+            options=gb.QnnOnnxOptions(quantizer=preset, calibration=calibration),
+            cache=tmp_path / "cache",
+        ).report
+        for preset in ("w8a16", "w8a8")
+    ]
+
+    assert reports[1]["marker_graph"].digest == reports[0]["marker_graph"].digest
+    assert reports[1].statuses["to_onnx"] == "cutoff"
+
+
+# --------------------------------------------------------------------------- 5. smaller
+
+
+def test_ndarrays_of_equal_bytes_and_different_shapes_differ():
+    assert fingerprint(np.zeros((2, 3))) != fingerprint(np.zeros((3, 2)))
+
+
+def test_a_stage_keys_on_the_files_it_uses_not_on_the_whole_package():
+    from graphbuild.targets.qnn import pipeline
+
+    capture = function_files(pipeline.capture)
+    encodings = function_files(pipeline.encodings)
+
+    assert "graphbuild.frontend.capture" in capture
+    assert "graphbuild.targets.qnn.encodings" not in capture
+    assert "graphbuild.targets.qnn.encodings" in encodings
+
+
+def test_a_user_stage_keys_on_the_helper_module_it_calls(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "gb_stage_helper.py").write_text("def scale():\n    return 2\n")
+    (tmp_path / "gb_stage_mod.py").write_text(
+        "from gb_stage_helper import scale\n\n\ndef stage(inputs, samples, ctx):\n"
+        "    return scale()\n"
+    )
+    importlib.invalidate_caches()
+    module = importlib.import_module("gb_stage_mod")
+    monkeypatch.setitem(sys.modules, "gb_stage_mod", module)
+    monkeypatch.setitem(sys.modules, "gb_stage_helper", sys.modules["gb_stage_helper"])
+    p = Pipeline(name="helper")
+    p.register_stage(module.stage, "stage", reads=())
+    cache = gb.Cache(tmp_path / "cache")
+    p.run(None, cache=cache)
+
+    (tmp_path / "gb_stage_helper.py").write_text("def scale():\n    return 3  # edited\n")
+    module = importlib.reload(sys.modules["gb_stage_helper"])
+
+    report = p.run(None, cache=cache).report
+    assert report.statuses == {"stage": "ran"}
