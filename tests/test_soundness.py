@@ -235,20 +235,26 @@ class LoudJsonCodec(JsonCodec):
         return Encoded(self.name, {"loud": True}, [Part(repr(value).upper().encode())])
 
 
-def test_registering_a_codec_changes_every_key(tmp_path, monkeypatch):
+def test_an_entry_written_by_a_codec_that_was_replaced_since_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setattr(codecs, "_CODECS", list(codecs._CODECS))
     monkeypatch.setattr(codecs, "_BY_NAME", dict(codecs._BY_NAME))
     p = Pipeline(name="codecs")
-    p.register_stage(lambda i, s, c: {"x": 1}, "make", reads=())
+    p.register_stage(make_json, "make", reads=())
     cache = gb.Cache(tmp_path / "cache")
     first = p.run(None, cache=cache).report
+    assert p.run(None, cache=cache).report.statuses == {"make": "hit"}
 
     register_codec(LoudJsonCodec())
     second = p.run(None, cache=cache).report
 
-    assert first["make"].key != second["make"].key
     assert second["make"].status == "ran"
-    assert "toolchain.codecs" in second["make"].reason
+    assert "codec 'json'" in second["make"].reason
+    assert second["make"].digest != first["make"].digest
+    assert p.run(None, cache=cache).report.statuses == {"make": "hit"}
+
+
+def make_json(inputs, samples, ctx):
+    return {"x": 1}
 
 
 @dataclasses.dataclass

@@ -609,9 +609,10 @@ def _find_spec(name: str) -> Any:
     prefix = top
     for part in rest:
         parent = sys.modules.get(prefix)
-        locations = getattr(parent, "__path__", None) if parent is not None else None
-        if locations is None and spec is not None:
-            locations = spec.submodule_search_locations
+        if parent is not None:
+            locations = getattr(parent, "__path__", None)
+        else:
+            locations = spec.submodule_search_locations if spec is not None else None
         if not locations:
             return None
         prefix = f"{prefix}.{part}"

@@ -246,22 +246,30 @@ def _tool_versions() -> dict[str, str]:
     return out
 
 
-def codecs_digest() -> str:
-    """The artifact codecs every stage's output goes through: their code and configuration.
-    Loaded or not yet (a lazily registered codec), a codec counts the same."""
-    form = []
-    for name, module, codec in codec_modules():
-        entry: dict[str, Any] = {"name": name, "files": code_closure([module], own=True)}
-        if codec is not None and vars(codec):
-            entry["config"] = code_identity(codec)
-        form.append(entry)
-    return digest_json(form)[:16]
-
-
 def toolchain_versions() -> dict[str, str]:
-    """Versions that every key includes: a new torch or graphbuild engine, or a new codec,
-    invalidates the cache."""
-    return {**_tool_versions(), "codecs": codecs_digest()}
+    """Versions that every key includes: a new torch or graphbuild engine invalidates the
+    cache."""
+    return dict(_tool_versions())
+
+
+def _codec_version(name: str) -> str:
+    """The code and configuration of the codec registered under ``name`` (loaded or not yet:
+    a lazily registered codec counts the same). A cache entry records the versions of the
+    codecs that wrote it and is a miss when one has changed since."""
+    for codec_name, module, codec in codec_modules():
+        if codec_name == name:
+            form: dict[str, Any] = {"files": code_closure([module], own=True)}
+            if codec is not None and vars(codec):
+                form["config"] = code_identity(codec)
+            return digest_json(form)[:16]
+    return "unknown"
+
+
+def _codec_names(description: Mapping[str, Any]) -> set[str]:
+    names = {description["codec"]}
+    for child in description.get("children", ()):
+        names |= _codec_names(child)
+    return names
 
 
 def plan_reads(pipeline: Pipeline, name: str, context: Mapping[str, Any]) -> tuple[str, ...]:
@@ -333,6 +341,7 @@ class _Run:
         self.check = set(self.order) if check is True else set(check or ()) & set(self.order)
         self.facets = InputFacets(pipeline_input, samples)
         self.toolchain = toolchain_versions()
+        self._codec_versions: dict[str, str] = {}
         self.states: dict[str, _State] = {}
         self.ran_order: list[str] = []
         self.failure: StageError | None = None
@@ -393,10 +402,14 @@ class _Run:
             st.record.key = key
             if self.cache is not None and key is not None and not self._forced(name):
                 manifest = self.cache.lookup(key)
-                if manifest is not None:
+                stale = self.stale_codecs(manifest) if manifest is not None else []
+                if manifest is not None and not stale:
                     self._hit(name, manifest)
                     if name in self.check:
                         self._check_hit(name)
+                    continue
+                if stale:
+                    self._execute(name, reason=_stale_reason(stale))
                     continue
             self._execute(name)
         if self.cache is not None:
@@ -406,6 +419,22 @@ class _Run:
             [self.states[n].record for n in self.order],
             time.perf_counter() - t0,
         )
+
+    def codec_versions(self, names: Iterable[str]) -> dict[str, str]:
+        for name in names:
+            if name not in self._codec_versions:
+                self._codec_versions[name] = _codec_version(name)
+        return {n: self._codec_versions[n] for n in sorted(names)}
+
+    def stale_codecs(self, manifest: Mapping[str, Any]) -> list[str]:
+        """Codecs that wrote this entry and have changed since (a registration, an edit)."""
+        try:
+            names = _codec_names(manifest["artifact"])
+            recorded = manifest.get("codecs") or {}
+        except (KeyError, TypeError, AttributeError):
+            return ["?"]
+        current = self.codec_versions(names)
+        return [n for n in sorted(names) if recorded.get(n) != current[n]]
 
     def _forced(self, name: str) -> bool:
         return self.force_all or name in self.force
@@ -538,7 +567,7 @@ class _Run:
         if self.cache is not None:
             self.cache.count_miss()
             if key is not None:
-                self.cache.store(key, encoded, self._manifest_record(name))
+                self.cache.store(key, encoded, self._manifest_record(name, encoded))
         self._remember(name)
         self.emit(StageEvent(EventKind.RAN, name, key, rec.seconds, rec.reason))
 
@@ -591,9 +620,11 @@ class _Run:
             "digest": st.record.digest,
         }
 
-    def _manifest_record(self, name: str) -> dict[str, Any]:
+    def _manifest_record(self, name: str, encoded: Any = None) -> dict[str, Any]:
         st = self.states[name]
+        codecs = self.codec_versions(_codec_names(encoded.describe())) if encoded else {}
         return {
+            "codecs": codecs,
             "stage": name,
             "pipeline": self.run_id,
             "seconds": st.record.seconds,
@@ -633,6 +664,11 @@ class _Run:
         if self.cache is None:
             return "no cache", []
         return explain_changes(self._last(name), self._snapshot(name))
+
+
+def _stale_reason(stale: list[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in stale)
+    return f"the cached entry was written by an older codec {shown}; rebuilt"
 
 
 def explain_changes(last: dict[str, Any] | None, now: dict[str, Any]) -> tuple[str, list[Change]]:
@@ -761,6 +797,10 @@ def plan_status(
         key = run.compute_key(name)
         st.record.key = key
         manifest = cache.lookup(key, count=False) if cache is not None and key else None
+        stale = run.stale_codecs(manifest) if manifest is not None else []
+        if stale:
+            st.record.status, st.record.reason = "dirty", _stale_reason(stale)
+            continue
         if manifest is not None:
             st.record.status, st.record.digest = "hit", manifest["artifact"]["digest"]
             continue
