@@ -1,2 +1,24 @@
 """The torch.export front end: capture, PT2E quantization, quantizer normalization to
 markers, and the quant map that ties markers to their values."""
+
+from graphbuild.engine.fingerprint import register_registry
+
+
+def _recognizers() -> tuple:
+    from graphbuild.frontend.normalize import recognizers
+
+    return recognizers()
+
+
+def _quantizer_presets() -> dict:
+    from graphbuild.frontend.quantize import QUANTIZER_PRESETS
+
+    return dict(QUANTIZER_PRESETS)
+
+
+# What the front end's stages consult besides their inputs, as reads a stage declares
+# ("registry.recognizers" for normalize, "registry.quantizer_presets" for quantize): the code
+# and configuration of every entry are part of their keys. Read lazily: a warm run that never
+# normalizes need not import the recognisers before it computes a key.
+register_registry("recognizers", _recognizers)
+register_registry("quantizer_presets", _quantizer_presets)

@@ -247,6 +247,7 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
                 "ctx.recipe",
                 "ctx.format",
                 "ctx.quantizer",
+                "registry.quantizer_presets",
                 "ctx.calibration",
                 "ctx.methods",
                 "samples.spec",

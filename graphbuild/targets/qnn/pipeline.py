@@ -17,7 +17,6 @@ import json
 from typing import Any
 
 from graphbuild.engine.codecs import FileArtifact, roundtrip
-from graphbuild.engine.fingerprint import register_registry
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
 from graphbuild.errors import ConfigError
 from graphbuild.frontend.capture import as_args, capture
@@ -215,26 +214,6 @@ def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
     bound, enc_file, reference = inputs
     doc = json.loads(enc_file.data)
     return compare_outputs(bound, doc, reference, as_args(samples), reinsert=False)
-
-
-# --------------------------------------------------------------------------- registries
-
-
-def _recognizers() -> tuple:
-    from graphbuild.frontend.normalize import recognizers
-
-    return recognizers()
-
-
-def _quantizer_presets() -> dict:
-    from graphbuild.frontend.quantize import QUANTIZER_PRESETS
-
-    return dict(QUANTIZER_PRESETS)
-
-
-# what normalize and quantize consult besides their inputs: part of their keys
-register_registry("recognizers", _recognizers)
-register_registry("quantizer_presets", _quantizer_presets)
 
 
 # --------------------------------------------------------------------------- wiring
