@@ -600,6 +600,20 @@ def _find_file(name: str) -> str | None:
     return path
 
 
+@functools.cache
+def _is_library_package(top: str) -> bool:
+    """Whether a top-level module or package (a namespace package too) is installed."""
+    module = sys.modules.get(top)
+    if module is not None:
+        places = [getattr(module, "__file__", None), *getattr(module, "__path__", ())]
+    else:
+        spec = _find_spec(top)
+        if spec is None:
+            return False
+        places = [spec.origin, *(spec.submodule_search_locations or ())]
+    return any(p and os.path.exists(p) and _is_library(p) for p in places)
+
+
 def _find_spec(name: str) -> Any:
     top, *rest = name.split(".")
     try:
@@ -616,7 +630,10 @@ def _find_spec(name: str) -> Any:
         if not locations:
             return None
         prefix = f"{prefix}.{part}"
-        spec = importlib.machinery.PathFinder.find_spec(prefix, list(locations))
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(prefix, list(locations))
+        except (ImportError, ValueError, KeyError):  # a namespace path whose parent is gone
+            return None
         if spec is None:
             return None
     return spec
@@ -680,8 +697,7 @@ def code_closure(modules: Iterable[str], *, own: bool = False) -> dict[str, str]
         if top in sys.builtin_module_names or top in sys.stdlib_module_names:
             out[f"<lib {top}>"] = _library_version(name)
             continue
-        top_path = _find_file(top)
-        if top_path is not None and _is_library(top_path):
+        if _is_library_package(top):
             out[f"<lib {top}>"] = _library_version(name)
             continue
         path = _find_file(name)
