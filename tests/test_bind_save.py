@@ -18,9 +18,12 @@ from onnx import TensorProto, helper
 
 from graphbuild.errors import ExportError
 from graphbuild.frontend.quantmap import QParams, QuantSpec
-from graphbuild.onnx import bind as bind_module
-from graphbuild.onnx.bind import BoundModel, fake_quantize, materialize, save_model
+from graphbuild.onnx import fakequant as fakequant_module
+from graphbuild.onnx import save as save_module
+from graphbuild.onnx.bind import BoundModel
+from graphbuild.onnx.fakequant import fake_quantize
 from graphbuild.onnx.lower import QPARAMS_LOCATION
+from graphbuild.onnx.save import materialize, save_model
 from graphbuild.onnx.skeleton import STATE_LOCATION
 
 # -- fake_quantize: bit-exact with torch.fake_quantize_per_{tensor,channel}_affine -----------
@@ -55,14 +58,14 @@ def torch_reference(x: torch.Tensor, spec: QuantSpec, qp: QParams) -> torch.Tens
 def fast_path(monkeypatch) -> list[bool]:
     """Whether each fake_quantize call took the blocked evaluation (not torch's op)."""
     taken: list[bool] = []
-    blocked = bind_module._fake_quantize_blocked
+    blocked = fakequant_module._fake_quantize_blocked
 
     def spy(*args, **kwargs):
         out = blocked(*args, **kwargs)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(bind_module, "_fake_quantize_blocked", spy)
+    monkeypatch.setattr(fakequant_module, "_fake_quantize_blocked", spy)
     return taken
 
 
@@ -350,9 +353,9 @@ def test_save_inline_bytes(tmp_path):
 def test_save_inline_reads_the_tensors_in_place(tmp_path, monkeypatch):
     """No copy of a tensor's bytes (and no materialize) on the way to the file."""
     bound = mixed_bound_model()
-    monkeypatch.setattr(bind_module, "materialize", None)
+    monkeypatch.setattr(save_module, "materialize", None)
     written: list[object] = []
-    write_atomic = bind_module._write_atomic
+    write_atomic = save_module._write_atomic
 
     def spy(path, chunks):
         def record():
@@ -362,7 +365,7 @@ def test_save_inline_reads_the_tensors_in_place(tmp_path, monkeypatch):
 
         write_atomic(path, record())
 
-    monkeypatch.setattr(bind_module, "_write_atomic", spy)
+    monkeypatch.setattr(save_module, "_write_atomic", spy)
     save_model(bound, tmp_path / "m.onnx", external_data=False)
     views = [c for c in written if isinstance(c, memoryview)]
     assert len(views) == 7  # every reference but 4-bit q4 (packed) and sub_then (a subgraph's)
@@ -371,7 +374,7 @@ def test_save_inline_reads_the_tensors_in_place(tmp_path, monkeypatch):
 
 
 def test_save_inline_over_protobuf_limit(tmp_path, monkeypatch):
-    monkeypatch.setattr(bind_module, "_PROTOBUF_LIMIT", 600)
+    monkeypatch.setattr(save_module, "_PROTOBUF_LIMIT", 600)
     with pytest.raises(ExportError, match="external data"):
         save_model(mixed_bound_model(), tmp_path / "m.onnx", external_data=False)
     assert list(tmp_path.iterdir()) == []
@@ -382,7 +385,8 @@ _PEAK_SCRIPT = textwrap.dedent(
     import resource, sys
     import numpy as np
     from onnx import TensorProto, helper
-    from graphbuild.onnx.bind import BoundModel, save_model
+    from graphbuild.onnx.bind import BoundModel
+    from graphbuild.onnx.save import save_model
     from graphbuild.onnx.skeleton import STATE_LOCATION
 
     inits, tensors, n = [], {}, 1024

@@ -25,8 +25,9 @@ import graphbuild.frontend.markers  # noqa: F401  - registers torch.ops.graphbui
 from graphbuild.errors import ExportError, SkeletonValueError
 from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 from graphbuild.onnx import skeleton as onnx_export
-from graphbuild.onnx.bind import BoundModel, bind, materialize, save_model
+from graphbuild.onnx.bind import BoundModel, bind
 from graphbuild.onnx.lower import QID_KEY, QPARAMS_LOCATION, ROLE_KEY, lower_markers
+from graphbuild.onnx.save import materialize, save_model
 from graphbuild.onnx.skeleton import STATE_LOCATION, export_skeleton
 
 

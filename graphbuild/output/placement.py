@@ -332,7 +332,8 @@ def _placeable(value: Any) -> bool:
 
 
 def _write(item: Any, tmp: Path, placement: Placement) -> list[Path]:
-    from graphbuild.onnx.bind import BoundModel, save_model
+    from graphbuild.onnx.bind import BoundModel
+    from graphbuild.onnx.save import save_model
 
     if isinstance(item, BoundModel):
         target = tmp / f"{placement.model_name}.onnx"

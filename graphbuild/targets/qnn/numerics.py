@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from graphbuild.frontend.reference import output_errors
-from graphbuild.onnx.bind import BoundModel, materialize
+from graphbuild.onnx.bind import BoundModel
+from graphbuild.onnx.save import materialize
 
 
 def run_onnx(model: Any, args: tuple) -> list[np.ndarray]:
