@@ -1,0 +1,194 @@
+"""``graphbuild export``: build the configured model for a target and format."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.text import Text
+from typer.core import TyperCommand
+
+from graphbuild.cli.errors import handles_errors, stage_json
+from graphbuild.cli.options import (
+    CacheDirOpt,
+    ConfigOpt,
+    FormatOpt,
+    JsonOpt,
+    ModelOpt,
+    NameOpt,
+    NoCacheOpt,
+    OutputOpt,
+    SetOpt,
+    TargetOpt,
+    build_request,
+    load_cli_config,
+    open_cache,
+)
+from graphbuild.cli.output import emit_json, make_console
+from graphbuild.cli.progress import Progress
+from graphbuild.cli.status import show_status
+from graphbuild.errors import ConfigError, StageError
+
+if TYPE_CHECKING:
+    from graphbuild.engine.pipeline import Pipeline
+
+__all__ = ["ExportCommand", "export"]
+
+
+class ExportCommand(TyperCommand):
+    """``--force`` takes an optional value: a bare ``--force`` forces every stage."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        out = []
+        for i, arg in enumerate(args):
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if arg == "--force" and (nxt is None or nxt.startswith("-")):
+                out.append("--force=all")
+            else:
+                out.append(arg)
+        return super().parse_args(ctx, out)
+
+
+def _forced(force: Sequence[str] | None, pipeline: Pipeline) -> Any:
+    if not force:
+        return ()
+    if any(f in ("all", "*") for f in force):
+        return True
+    stages = pipeline.order()
+    unknown = [f for f in force if f not in stages]
+    if unknown:
+        raise ConfigError(
+            f"cannot force unknown stage(s) {', '.join(unknown)}; "
+            f"stages of {pipeline.name}: {', '.join(stages)}"
+        )
+    return list(force)
+
+
+@handles_errors
+def export(
+    target: TargetOpt = None,
+    format: FormatOpt = None,
+    config: ConfigOpt = None,
+    model: ModelOpt = None,
+    output_dir: OutputOpt = None,
+    name: NameOpt = None,
+    cache_dir: CacheDirOpt = None,
+    no_cache: NoCacheOpt = False,
+    force: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--force",
+            help="Rerun STAGE even on a hit (repeatable); a bare --force reruns every stage.",
+            metavar="[STAGE]",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show what would run (like status).")
+    ] = False,
+    check_fingerprints: Annotated[
+        bool,
+        typer.Option(
+            "--check-fingerprints",
+            help="Recompute stages that hit and fail if any output differs from the cache.",
+        ),
+    ] = False,
+    as_json: JsonOpt = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Only errors and the files written.")
+    ] = False,
+    sets: SetOpt = None,
+) -> None:
+    """Build the model named in graphbuild.toml (or --model) for a target and format."""
+    cfg = load_cli_config(
+        config,
+        target=target,
+        format=format,
+        model=model,
+        output_dir=output_dir,
+        name=name,
+        sets=sets,
+    )
+    cache = open_cache(cache_dir, no_cache, cfg)
+    if dry_run:
+        show_status(cfg, cache, as_json)
+        return
+    from graphbuild.api import export_with_pipeline
+
+    console = make_console()
+    progress = Progress(console, quiet=quiet or as_json)
+    request, pipeline = build_request(cfg, cache, listeners=[] if as_json else [progress])
+    request.force = _forced(force, pipeline)
+    request.check_fingerprints = check_fingerprints
+    quiet_stdout = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    try:
+        with quiet_stdout, progress:
+            artifacts = export_with_pipeline(request)
+    except StageError as err:
+        report = getattr(err, "report", None)
+        if report is not None and not as_json and not quiet:
+            console.print(progress.summary(report, time.perf_counter() - t0))
+        raise
+    report = artifacts.report
+    files = {kind: str(path) for kind, path in artifacts.files.items()}
+    if as_json:
+        emit_json(
+            {
+                "target": cfg.target,
+                "format": cfg.format,
+                "model_name": cfg.model_name,
+                "output_dir": str(artifacts.output_directory),
+                "seconds": report.seconds,
+                "seconds_saved": report.seconds_saved,
+                "stages": [stage_json(s) for s in report.stages],
+                "files": files,
+                "reports": _json_safe(report.extra),
+            }
+        )
+        return
+    if quiet:
+        for path in files.values():
+            console.print(path, markup=False)
+        return
+    console.print(progress.summary(report, report.seconds))
+    for line in _report_lines(report.extra):
+        console.print(Text(f"  {line}"))
+    for kind, path in files.items():
+        console.print(Text(f"  {kind:<10} {path}"))
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as strings ("inf", "nan"): JSON has no spelling for
+    them, and readers other than Python's reject ``Infinity``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _report_lines(extra: Mapping[str, Any]) -> list[str]:
+    """One line per report an export made (delegation, numerics), for people."""
+    lines = []
+    delegation = extra.get("delegation")
+    if isinstance(delegation, Mapping):
+        lines.append(
+            f"delegation {delegation.get('delegated_ops', 0)} ops delegated in "
+            f"{delegation.get('delegated_subgraphs', 0)} subgraph(s), "
+            f"{delegation.get('portable_ops', 0)} on portable kernels"
+        )
+    numerics = extra.get("numerics")
+    if isinstance(numerics, Mapping):
+        for out in numerics.get("outputs", []):
+            lines.append(
+                f"numerics   {out.get('name')}: SQNR {out.get('sqnr_db', float('nan')):.1f} dB, "
+                f"max abs error {out.get('max_abs_error', float('nan')):.3g}"
+            )
+    return lines

@@ -1,0 +1,172 @@
+"""Options the commands share, and the config, cache and request they turn into."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from graphbuild.cli.output import debug_enabled
+from graphbuild.config import Config, load_config
+from graphbuild.errors import ConfigError
+
+if TYPE_CHECKING:
+    from graphbuild.api import ExportRequest
+    from graphbuild.cache import Cache
+    from graphbuild.engine.pipeline import Pipeline
+    from graphbuild.engine.scheduler import StageEvent
+
+__all__ = [
+    "CacheDirOpt",
+    "ConfigOpt",
+    "FormatOpt",
+    "JsonOpt",
+    "ModelOpt",
+    "NameOpt",
+    "NoCacheOpt",
+    "OutputOpt",
+    "SetOpt",
+    "TargetOpt",
+    "build_request",
+    "load_cli_config",
+    "open_cache",
+    "quiet_torch",
+    "resolve_cache_path",
+]
+
+
+def quiet_torch() -> None:
+    """torch sets its loggers' levels when it is imported: lower them after that."""
+    if debug_enabled():
+        return
+    import logging
+
+    import torch  # noqa: F401 - the export needs it anyway
+
+    logging.getLogger("torch").setLevel(logging.ERROR)
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout.")]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="Config file (graphbuild.toml or pyproject.toml)."),
+]
+TargetOpt = Annotated[
+    str | None,
+    typer.Option("--target", "-t", help="Export target: qnn, executorch (graphbuild targets)."),
+]
+FormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--format", "-f", help="Target format, e.g. onnx, onnx_qdq, xnnpack (the target's first)."
+    ),
+]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="Model factory: path/to/file.py:build or pkg.mod:build."),
+]
+OutputOpt = Annotated[
+    Path | None, typer.Option("--output-dir", "-o", help="Where the exported files go.")
+]
+NameOpt = Annotated[str | None, typer.Option("--name", help="Model name (file stem).")]
+CacheDirOpt = Annotated[Path | None, typer.Option("--cache-dir", help="Cache directory.")]
+NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Build without a cache.")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        "-s",
+        metavar="KEY=VALUE",
+        help="Override a config key, e.g. options.opset=17 (repeatable).",
+    ),
+]
+
+
+def load_cli_config(
+    config: Path | None,
+    *,
+    target: str | None = None,
+    format: str | None = None,
+    model: str | None = None,
+    output_dir: Path | None = None,
+    name: str | None = None,
+    sets: Sequence[str] | None = None,
+    required: bool = True,
+) -> Config:
+    """The config file with command-line flags applied over it; paths given on the command
+    line are relative to the working directory, those in the file to the file's directory."""
+    quiet_torch()
+    cwd = Path.cwd()
+    overrides: list[Any] = list(sets or [])
+    if model is not None:
+        overrides.append(("model", absolute_spec(model, cwd)))
+    for key, value in (("target", target), ("format", format), ("model_name", name)):
+        if value is not None:
+            overrides.append((key, value))
+    if output_dir is not None:
+        overrides.append(("output_dir", str((cwd / output_dir.expanduser()).resolve())))
+    return load_config(config, cwd, overrides, required=required)
+
+
+def absolute_spec(spec: str, cwd: Path) -> str:
+    target, sep, attr = spec.rpartition(":")
+    if sep and (target.endswith(".py") or "/" in target or "\\" in target):
+        return f"{(cwd / Path(target).expanduser()).resolve()}:{attr}"
+    return spec
+
+
+def resolve_cache_path(cache_dir: Path | None, cfg: Config | None) -> Path:
+    from graphbuild.cache import default_cache_dir
+
+    if cache_dir is not None:
+        return cache_dir.expanduser().resolve()
+    if cfg is not None and cfg.cache_dir is not None:
+        return cfg.cache_dir
+    return default_cache_dir()
+
+
+def open_cache(cache_dir: Path | None, no_cache: bool, cfg: Config | None) -> Cache | None:
+    from graphbuild.cache import Cache
+
+    if no_cache:
+        if cache_dir is not None:
+            raise ConfigError("--no-cache and --cache-dir contradict each other; give one")
+        return None
+    return Cache(resolve_cache_path(cache_dir, cfg))
+
+
+def build_request(
+    cfg: Config,
+    cache: Cache | None,
+    *,
+    load_model: bool = True,
+    force: Any = (),
+    listeners: Sequence[Callable[[StageEvent], None]] = (),
+) -> tuple[ExportRequest, Pipeline]:
+    """The export request the config describes and its pipeline (built before anything runs,
+    so an unknown target, format or option is a configuration error)."""
+    from graphbuild.api import ExportRequest, build_pipeline
+
+    if not cfg.model_name:
+        raise ConfigError(
+            f'no model configured in {cfg.where}: set model = "path/to/model.py:build" '
+            "or pass --model path/to/model.py:build"
+        )
+    model, samples, calibration = cfg.load_model() if load_model else (None, None, None)
+    request = ExportRequest(
+        model,
+        samples,
+        cfg.output_dir,
+        cfg.model_name,
+        target=cfg.target,
+        format=cfg.format,
+        options=cfg.export_options(calibration),
+        cache=cache if cache is not None else False,
+        force=force,
+        listeners=listeners,
+    )
+    pipeline = build_pipeline(request)
+    return replace(request, pipeline_factory=lambda _request: pipeline), pipeline

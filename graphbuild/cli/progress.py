@@ -1,0 +1,105 @@
+"""Live progress of a run: one line per stage, from the scheduler's event stream.
+
+On a terminal a spinner while a stage runs and a coloured line per finished stage; elsewhere (a
+pipe, a CI log) the same lines without spinners or colour.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from graphbuild.engine.scheduler import RunReport, StageEvent
+
+__all__ = ["Progress"]
+
+_STYLES = {
+    "hit": ("✓", "green"),
+    "cutoff": ("≈", "cyan"),
+    "ran": ("●", "yellow"),
+    "failed": ("✗", "bold red"),
+    "skipped": ("-", "dim"),
+}
+
+
+class Progress:
+    """A run listener that shows each stage as it finishes.
+
+    On a terminal: a spinner naming the running stage (and why it runs) and a coloured line
+    per finished stage. Elsewhere: one plain line per stage. ``quiet``: nothing per stage."""
+
+    def __init__(self, console: Console, quiet: bool = False):
+        self.console = console
+        self.quiet = quiet
+        self.live = console.is_terminal and not quiet
+        self._status: Any = None
+
+    def __enter__(self) -> Progress:
+        if self.live:
+            self._status = self.console.status("planning…", spinner="dots")
+            self._status.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+    def _spin(self, text: str) -> None:
+        if self._status is not None:
+            self._status.update(text)
+
+    def __call__(self, event: StageEvent) -> None:
+        kind = event.kind.value
+        if kind == "started":
+            why = f" ({event.reason})" if event.reason else ""
+            self._spin(f"[bold]{event.stage}[/] running…{_escape(why)}")
+            return
+        if kind == "loaded":
+            self._spin(f"loaded {event.stage} from the cache")
+            return
+        if self.quiet or kind not in _STYLES:
+            return
+        self.console.print(self.line(event))
+        self._spin("working…")
+
+    def line(self, event: StageEvent) -> Text:
+        """``capture          ran        2.31 s  ctx.quantizer: w8a16 -> w8a8``."""
+        kind = event.kind.value
+        symbol, style = _STYLES[kind]
+        text = Text()
+        if self.live:
+            text.append(f"{symbol} ", style=style)
+        text.append(f"{event.stage:<16} ")
+        text.append(f"{kind:<7}", style=style if self.live else "")
+        if kind in ("ran", "failed"):
+            text.append(f" {event.seconds:7.2f} s")
+        detail = event.reason
+        if kind == "failed" and event.error is not None:
+            detail = f"{type(event.error).__name__}: {event.error}"
+        elif kind == "cutoff":
+            detail = "early cutoff: upstream output unchanged"
+        if detail:
+            text.append(f"  {detail}", style="dim" if self.live else "")
+        text.rstrip()
+        return text
+
+    def summary(self, report: RunReport, seconds: float) -> Text:
+        cutoff = len(report.with_status("cutoff"))
+        text = Text(
+            f"{len(report.ran)} ran, {len(report.hits)} hit, saved {report.seconds_saved:.1f} s",
+            style="bold" if self.live else "",
+        )
+        if cutoff:
+            text.append(f" ({cutoff} early cutoff)")
+        text.append(f" in {seconds:.2f} s")
+        return text
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
