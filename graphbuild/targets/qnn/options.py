@@ -11,6 +11,7 @@ from graphbuild.targets.base import BOOL, INT, STR, STRS, OptionType
 
 FORMATS = ("onnx", "onnx_qdq")
 ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
+DEFAULT_ENCODINGS_VERSION = "1.0.0"
 
 
 @dataclass
@@ -23,7 +24,7 @@ class QnnOnnxOptions:
     """
 
     opset: int = 21
-    encodings_version: str = "1.0.0"
+    encodings_version: str = DEFAULT_ENCODINGS_VERSION
     input_names: Sequence[str] | None = None
     output_names: Sequence[str] | None = None
     external_data: bool | None = None

@@ -1,0 +1,191 @@
+"""Read QNN encodings (1.0.0, 0.6.1, 2.0.0) back into ``x = scale * (q - zero_point)`` form.
+
+What the formats cannot say, and the conventions used to read them back:
+
+- 1.0.0 and 0.6.1 store no container: symmetric entries are read as signed, asymmetric as
+  unsigned (same values, the zero point moves by ``2^(bw-1)``). No format stores a grid narrower
+  than its container (int8 in ``[-127, 127]``): the full grid is read back.
+- 1.0.0 and 0.6.1 store no axis: per-channel is the output channel of the consuming op, blocked
+  is along its input channel; :mod:`~graphbuild.targets.qnn.encodings.reinsert` resolves both
+  from the ONNX graph.
+- 2.0.0 has one list for params and activations, so ``is_param`` reads back as ``None``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from graphbuild.errors import ExportError
+from graphbuild.targets.qnn.encodings.grid import SECTIONS, check_version, full_grid
+
+__all__ = ["TensorEncoding", "read_encodings"]
+
+
+@dataclass(frozen=True, eq=False)
+class TensorEncoding:
+    """One tensor's encoding as read from a document, in ``x = scale * (q - zero_point)`` form.
+
+    ``scale`` (float32) and ``zero_point`` (int64, the container's own convention) have one
+    element per-tensor, one per channel, and for blocked the block grid (2.0.0) or its flat
+    C-order form (1.0.0). ``axis_implied`` says the format did not store ``axis`` (1.0.0 / 0.6.1):
+    it then holds the usual convention (0 per-channel, 1 blocked) and the consuming op decides.
+    ``is_param`` is ``None`` when the format does not separate params (2.0.0).
+    """
+
+    name: str
+    scale: np.ndarray
+    zero_point: np.ndarray
+    qmin: int
+    qmax: int
+    bits: int
+    signed: bool
+    is_param: bool | None
+    axis: int | None = None
+    block_size: int | None = None
+    axis_implied: bool = False
+
+    @property
+    def granularity(self) -> str:
+        if self.block_size is not None:
+            return "PER_BLOCK"
+        return "PER_TENSOR" if self.axis is None else "PER_CHANNEL"
+
+
+def read_encodings(doc: Mapping[str, Any]) -> dict[str, TensorEncoding]:
+    """Every tensor's encoding in ``doc`` (1.0.0, 0.6.1 or 2.0.0), by tensor name."""
+    version = _doc_version(doc)
+    try:
+        encodings = list(_READERS[version](doc))
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ExportError(f"malformed {version} encodings: {type(exc).__name__}: {exc}") from exc
+    out: dict[str, TensorEncoding] = {}
+    for enc in encodings:
+        if out.setdefault(enc.name, enc) is not enc:
+            raise ExportError(f"tensor '{enc.name}' is encoded more than once")
+    return out
+
+
+def _doc_version(doc: Mapping[str, Any]) -> str:
+    """The document's version; a legacy file without one is 0.6.1 if its sections are objects."""
+    version = doc.get("version")
+    if version is None and any(isinstance(doc.get(s), dict) for s, _ in SECTIONS):
+        return "0.6.1"
+    check_version(str(version))
+    return str(version)
+
+
+def _read_doc_1_0_0(doc: Mapping[str, Any]) -> Iterable[TensorEncoding]:
+    for section, is_param in SECTIONS:
+        for entry in doc.get(section, []):
+            yield _read_1_0_0(entry, is_param)
+
+
+def _read_doc_0_6_1(doc: Mapping[str, Any]) -> Iterable[TensorEncoding]:
+    for section, is_param in SECTIONS:
+        for name, channels in doc.get(section, {}).items():
+            yield _read_0_6_1(name, channels, is_param)
+
+
+def _read_doc_2_0_0(doc: Mapping[str, Any]) -> Iterable[TensorEncoding]:
+    return (_read_2_0_0(entry) for entry in doc["encodings"])
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or str(value).lower() == "true"
+
+
+def _zero_point_from_offset(offset: np.ndarray, bits: int, signed: bool) -> np.ndarray:
+    return -offset - (2 ** (bits - 1) if signed else 0)
+
+
+# The axis 1.0.0 leaves unsaid: output channel per-channel, input channel blocked.
+_IMPLIED_AXIS = {"PER_TENSOR": None, "PER_CHANNEL": 0, "PER_BLOCK": 1}
+
+
+def _read_1_0_0(entry: Mapping[str, Any], is_param: bool) -> TensorEncoding:
+    name = entry["name"]
+    if entry.get("dtype", "INT") != "INT":
+        raise ExportError(f"tensor '{name}': {entry['dtype']} encodings are not integer grids")
+    bits, signed = int(entry["bw"]), _truthy(entry["is_sym"])
+    scale = np.asarray(entry["scale"], dtype=np.float32).reshape(-1)
+    offset = np.asarray(entry["offset"], dtype=np.int64).reshape(-1)
+    enc_type = entry.get("enc_type", "PER_TENSOR" if scale.size == 1 else "PER_CHANNEL")
+    if enc_type not in _IMPLIED_AXIS:
+        raise ExportError(f"tensor '{name}': unsupported enc_type '{enc_type}'")
+    axis, blocked = _IMPLIED_AXIS[enc_type], enc_type == "PER_BLOCK"
+    return TensorEncoding(
+        name,
+        scale,
+        _zero_point_from_offset(offset, bits, signed),
+        *full_grid(bits, signed),
+        bits=bits,
+        signed=signed,
+        is_param=is_param,
+        axis=axis,
+        block_size=int(entry["block_size"]) if blocked else None,
+        axis_implied=axis is not None,
+    )
+
+
+def _read_0_6_1(name: str, channels: Sequence[Mapping[str, Any]], is_param: bool) -> TensorEncoding:
+    bits, signed = int(channels[0]["bitwidth"]), _truthy(channels[0]["is_symmetric"])
+    pairs = [_scale_offset_0_6_1(c, bits) for c in channels]
+    offset = np.asarray([o for _, o in pairs], dtype=np.int64)
+    return TensorEncoding(
+        name,
+        np.asarray([s for s, _ in pairs], dtype=np.float32),
+        _zero_point_from_offset(offset, bits, signed),
+        *full_grid(bits, signed),
+        bits=bits,
+        signed=signed,
+        is_param=is_param,
+        axis=0 if len(channels) > 1 else None,
+        axis_implied=len(channels) > 1,
+    )
+
+
+def _scale_offset_0_6_1(channel: Mapping[str, Any], bits: int) -> tuple[float, int]:
+    """A channel's scale and offset, from ``scale``/``offset`` or else from ``min``/``max``."""
+    if "scale" in channel and "offset" in channel:
+        return float(channel["scale"]), int(channel["offset"])
+    lo, hi = float(channel["min"]), float(channel["max"])
+    scale = (hi - lo) / (2**bits - 1)
+    return scale, round(lo / scale)
+
+
+def _parse_dtype(dtype: str) -> tuple[int, bool]:
+    match = re.fullmatch(r"(u?)int(\d+)", dtype)
+    if match is None:
+        raise ExportError(f"output_dtype '{dtype}' is not an integer type")
+    return int(match.group(2)), match.group(1) == ""
+
+
+def _read_2_0_0(entry: Mapping[str, Any]) -> TensorEncoding:
+    bits, signed = _parse_dtype(entry["output_dtype"])
+    scale = np.asarray(entry["y_scale"], dtype=np.float32)
+    scale = scale.reshape(1) if scale.ndim == 0 else scale
+    zp = np.asarray(entry.get("y_zero_point", 0), dtype=np.int64)
+    block_size = entry.get("block_size")
+    return TensorEncoding(
+        entry["name"],
+        scale,
+        np.broadcast_to(zp, scale.shape).astype(np.int64),
+        *full_grid(bits, signed),
+        bits=bits,
+        signed=signed,
+        is_param=None,
+        axis=entry.get("axis"),
+        block_size=None if block_size is None else int(block_size),
+    )
+
+
+_READERS: dict[str, Callable[[Mapping[str, Any]], Iterable[TensorEncoding]]] = {
+    "1.0.0": _read_doc_1_0_0,
+    "0.6.1": _read_doc_0_6_1,
+    "2.0.0": _read_doc_2_0_0,
+}

@@ -1,0 +1,253 @@
+"""Write QNN encodings (1.0.0, 0.6.1, 2.0.0) from a quant map and its current values.
+
+A quantizer is ``x = s * (q - z)`` with ``q`` in ``[qmin, qmax]`` (DESIGN.md, "QNN encodings
+formats"). QNN's 1.0.0 and 0.6.1 store an *offset* on the unsigned grid instead of ``z``; 2.0.0
+stores ``z`` itself, as ONNX QuantizeLinear does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from graphbuild.errors import ExportError
+from graphbuild.frontend.quantmap import QuantMap, QuantSpec, QuantValues
+from graphbuild.targets.qnn.encodings.grid import (
+    DEFAULT_VERSION,
+    SECTIONS,
+    check_version,
+    full_grid,
+)
+
+__all__ = ["build_encodings", "dumps_encodings"]
+
+_CONTAINER_BITS = (4, 8, 16, 32)
+
+
+@dataclass(frozen=True, eq=False)
+class _Quantizer:
+    """One quantizer resolved to numbers: what every format writer reads."""
+
+    name: str
+    spec: QuantSpec
+    scale: np.ndarray  # float32; (1,) per-tensor, (C,) per-channel, weight rank if blocked
+    zero_point: np.ndarray  # int64, same shape as scale
+
+    @property
+    def offset(self) -> np.ndarray:
+        """QNN's offset on the unsigned grid: ``-z``, or ``-2^(bw-1) - z`` if signed."""
+        shift = 2 ** (self.spec.bits - 1) if self.spec.signed else 0
+        return -shift - self.zero_point
+
+    @property
+    def is_sym(self) -> bool:
+        """The spec's own answer, else: every zero point at the grid's centre."""
+        if self.spec.symmetric is not None:
+            return self.spec.symmetric
+        centre = 0 if self.spec.signed else 2 ** (self.spec.bits - 1)
+        return bool(np.all(self.zero_point == centre))
+
+    @property
+    def section(self) -> str:
+        return "param_encodings" if self.spec.param is not None else "activation_encodings"
+
+
+def build_encodings(
+    qmap: QuantMap,
+    values: QuantValues,
+    names: Mapping[int, str],
+    version: str = DEFAULT_VERSION,
+) -> dict[str, Any]:
+    """The QNN encodings document for every quantizer of ``qmap``, in qid order.
+
+    ``names[qid]`` is the ONNX tensor the quantizer annotates. Two quantizers on one tensor
+    are written once when their encodings agree; disagreeing ones are an :class:`ExportError`.
+    """
+    check_version(version)
+    quantizers = [_resolve(spec, values, names) for spec in sorted(qmap, key=lambda s: s.qid)]
+    rows = _unique_rows((q, _ENTRY_WRITERS[version](q)) for q in quantizers)
+    return _DOC_WRITERS[version](rows)
+
+
+def _resolve(spec: QuantSpec, values: QuantValues, names: Mapping[int, str]) -> _Quantizer:
+    where = f"quantizer {spec.qid} ({spec.op or 'op?'} at {spec.node or 'node?'})"
+    if spec.qid not in names:
+        raise ExportError(f"{where} has no ONNX tensor name")
+    if spec.qid not in values.values:
+        raise ExportError(f"{where} has no scale / zero point values")
+    qp = values[spec.qid]
+    scale = qp.scale.detach().cpu().to(torch.float32).numpy().copy()
+    if scale.size == 0 or not np.all(np.isfinite(scale)) or np.any(scale <= 0):
+        raise ExportError(f"{where}: scales must be finite and positive, got {scale.tolist()}")
+    zero_point = _zero_points(qp.zero_point, scale.shape, where)
+    if spec.block_size is None:
+        scale, zero_point = scale.reshape(-1), zero_point.reshape(-1)
+    if spec.axis is None and scale.size != 1:
+        raise ExportError(f"{where} is per-tensor but has {scale.size} scales")
+    return _Quantizer(names[spec.qid], spec, scale, zero_point)
+
+
+def _zero_points(zero_point: torch.Tensor, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """Integer zero points shaped like the scales (a single one is broadcast)."""
+    z = zero_point.detach().cpu()
+    if z.is_floating_point():
+        if not torch.equal(z, z.round()):
+            raise ExportError(f"{where}: zero points must be integers, got {z.tolist()}")
+        z = z.round()
+    zp = z.to(torch.int64).numpy()
+    if zp.size == 1:
+        return np.full(shape, int(zp.reshape(-1)[0]), dtype=np.int64)
+    if zp.size != math.prod(shape):
+        raise ExportError(f"{where}: {zp.size} zero points for {math.prod(shape)} scales")
+    return zp.reshape(shape).astype(np.int64)
+
+
+def _unique_rows(rows: Iterable[tuple[_Quantizer, Any]]) -> list[tuple[_Quantizer, Any]]:
+    """One row per tensor name; a second, different encoding of the same tensor is an error."""
+    seen: dict[str, tuple[_Quantizer, Any]] = {}
+    for q, entry in rows:
+        first = seen.setdefault(q.name, (q, entry))
+        if first[0] is q:
+            continue
+        if (first[0].section, first[1]) != (q.section, entry):
+            raise ExportError(
+                f"tensor '{q.name}' has conflicting encodings from quantizers "
+                f"{first[0].spec.qid} and {q.spec.qid}"
+            )
+    return list(seen.values())
+
+
+def _floats(a: np.ndarray) -> list[float]:
+    return [float(v) for v in a.reshape(-1)]
+
+
+def _ints(a: np.ndarray) -> list[int]:
+    return [int(v) for v in a.reshape(-1)]
+
+
+def _entry_1_0_0(q: _Quantizer) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "name": q.name,
+        "dtype": "INT",
+        "enc_type": q.spec.granularity,
+        "bw": q.spec.bits,
+        "is_sym": q.is_sym,
+        "scale": _floats(q.scale),
+        "offset": _ints(q.offset),
+    }
+    if q.spec.block_size is not None:
+        entry["block_size"] = q.spec.block_size
+    return entry
+
+
+def _entry_0_6_1(q: _Quantizer) -> list[dict[str, Any]]:
+    if q.spec.block_size is not None:
+        raise ExportError(
+            f"tensor '{q.name}': encodings version 0.6.1 cannot express blocked quantization; "
+            "use 1.0.0 or 2.0.0"
+        )
+    span = 2**q.spec.bits - 1
+    return [
+        {
+            "bitwidth": q.spec.bits,
+            "dtype": "int",
+            "is_symmetric": str(q.is_sym),
+            "min": s * o,
+            "max": s * (o + span),
+            "offset": o,
+            "scale": s,
+        }
+        for s, o in zip(_floats(q.scale), _ints(q.offset), strict=True)
+    ]
+
+
+def _entry_2_0_0(q: _Quantizer) -> dict[str, Any]:
+    dtype, bits = _container(q.spec)
+    lo, hi = full_grid(bits, q.spec.signed)
+    if np.any(q.zero_point < lo) or np.any(q.zero_point > hi):
+        raise ExportError(f"tensor '{q.name}': zero points do not fit in {dtype}")
+    entry: dict[str, Any] = {"name": q.name, "output_dtype": dtype}
+    per_tensor = q.spec.axis is None
+    entry["y_scale"] = float(q.scale.reshape(-1)[0]) if per_tensor else q.scale.tolist()
+    if np.any(q.zero_point != 0):
+        zp = q.zero_point
+        entry["y_zero_point"] = int(zp.reshape(-1)[0]) if per_tensor else zp.tolist()
+    if not per_tensor:
+        entry["axis"] = q.spec.axis
+    if q.spec.block_size is not None:
+        entry["block_size"] = q.spec.block_size
+    return entry
+
+
+def _container(spec: QuantSpec) -> tuple[str, int]:
+    """The smallest ONNX integer type holding ``[qmin, qmax]`` with the spec's signedness."""
+    for bits in _CONTAINER_BITS:
+        lo, hi = full_grid(bits, spec.signed)
+        if lo <= spec.qmin and spec.qmax <= hi:
+            return f"{'int' if spec.signed else 'uint'}{bits}", bits
+    raise ExportError(
+        f"quantizer {spec.qid}: grid [{spec.qmin}, {spec.qmax}] fits no 4/8/16/32-bit container"
+    )
+
+
+def _doc_1_0_0(rows: Sequence[tuple[_Quantizer, Any]]) -> dict[str, Any]:
+    doc: dict[str, Any] = {"version": "1.0.0"}
+    for section, _ in SECTIONS:
+        doc[section] = [entry for q, entry in rows if q.section == section]
+    doc["excluded_layers"] = []
+    return doc
+
+
+def _doc_0_6_1(rows: Sequence[tuple[_Quantizer, Any]]) -> dict[str, Any]:
+    doc: dict[str, Any] = {"version": "0.6.1"}
+    for section, _ in SECTIONS:
+        doc[section] = {q.name: entry for q, entry in rows if q.section == section}
+    return doc
+
+
+def _doc_2_0_0(rows: Sequence[tuple[_Quantizer, Any]]) -> dict[str, Any]:
+    return {"version": "2.0.0", "encodings": [entry for _, entry in rows]}
+
+
+_ENTRY_WRITERS: dict[str, Callable[[_Quantizer], Any]] = {
+    "1.0.0": _entry_1_0_0,
+    "0.6.1": _entry_0_6_1,
+    "2.0.0": _entry_2_0_0,
+}
+_DOC_WRITERS: dict[str, Callable[[Sequence[tuple[_Quantizer, Any]]], dict[str, Any]]] = {
+    "1.0.0": _doc_1_0_0,
+    "0.6.1": _doc_0_6_1,
+    "2.0.0": _doc_2_0_0,
+}
+
+
+def dumps_encodings(doc: Mapping[str, Any]) -> str:
+    """The encodings document as text: one entry per line, so the file stays readable and
+    diffable while large models are written by the C JSON encoder (``indent`` would switch
+    to the slow pure-Python one)."""
+    compact = json.JSONEncoder(separators=(", ", ": ")).encode
+
+    def block(value: Any, depth: int) -> str:
+        pad, inner = "  " * depth, "  " * (depth + 1)
+        if (
+            isinstance(value, dict)
+            and depth == 0
+            or (
+                isinstance(value, dict)
+                and value
+                and all(isinstance(v, list) for v in value.values())
+            )
+        ):
+            items = [f"{inner}{compact(k)}: {block(v, depth + 1)}" for k, v in value.items()]
+            return "{\n" + ",\n".join(items) + f"\n{pad}}}" if items else "{}"
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            return "[\n" + ",\n".join(inner + compact(v) for v in value) + f"\n{pad}]"
+        return compact(value)
+
+    return block(dict(doc), 0) + "\n"
