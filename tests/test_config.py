@@ -351,3 +351,11 @@ def test_quantizer_spec_accepts_a_factory_and_refuses_other_objects(tmp_path):
     )
     with pytest.raises(ConfigError, match="expected a torchao Quantizer"):
         cfg.quantizer_object()
+
+
+def test_int32_bias_is_an_options_key_of_the_qnn_target(tmp_path):
+    convnet_config(tmp_path, "[options]\nint32_bias = false\n")
+    assert load_config(cwd=tmp_path).export_options(calibration=[1]).int32_bias is False
+    assert load_config(cwd=convnet_config(tmp_path).parent).export_options().int32_bias is None
+    with pytest.raises(ConfigError, match="'options.int32_bias' must be true or false"):
+        load_config(cwd=tmp_path, overrides=["options.int32_bias=1"])

@@ -200,7 +200,14 @@ def test_params_and_activations_go_to_their_own_sections_in_qid_order(version):
 
 def test_1_0_0_document_has_the_documented_top_level_keys():
     doc = encode(mixed_quantizers(), "1.0.0")
-    assert list(doc) == ["version", "activation_encodings", "param_encodings", "excluded_layers"]
+    assert list(doc) == [
+        "version",
+        "producer",
+        "activation_encodings",
+        "param_encodings",
+        "excluded_layers",
+        "quantizer_args",
+    ]
     assert doc["excluded_layers"] == []
 
 
@@ -212,7 +219,7 @@ def test_one_entry_per_quantizer(version):
 
 def test_2_0_0_has_one_list_in_qid_order():
     doc = encode(mixed_quantizers(), "2.0.0")
-    assert list(doc) == ["version", "encodings"]
+    assert list(doc) == ["version", "producer", "encodings"]
     assert [e["name"] for e in doc["encodings"]] == ["x", "fc.weight", "y", "fc.bias"]
 
 

@@ -6,6 +6,7 @@ import copy
 import json
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -262,3 +263,52 @@ def test_transformers_llama_exports_with_numerics(tmp_path, cache):
     )
     assert no_marker_left(onnx.load(tmp_path / "model.onnx"))
     assert_numerics(art)
+
+
+# --------------------------------------------------------------------------- int32 biases
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "onnx_qdq"])
+def test_2_0_0_int32_biases_are_input_scale_times_weight_scale_of_the_same_file(
+    tmp_path, cache, fmt
+):
+    model, samples = convnet.build()
+    art = export(
+        model,
+        samples,
+        tmp_path,
+        cache,
+        fmt=fmt,
+        quantizer="w8a16",
+        calibration=convnet.calibration(),
+        encodings_version="2.0.0",
+    )
+    assert_numerics(art)
+    found = {
+        e["name"]: e for e in json.loads((tmp_path / "model.encodings").read_text())["encodings"]
+    }
+    # conv1 reads the input, conv2 the first ReLU, fc the flattened second ReLU
+    for layer in ("conv1", "conv2", "fc"):
+        bias, weight = found[f"{layer}.bias"], found[f"{layer}.weight"]
+        assert bias["output_dtype"] == "int32" and bias["axis"] == 0
+        assert "y_zero_point" not in bias
+        assert len(bias["y_scale"]) == len(weight["y_scale"])
+    x_scale = found["x"]["y_scale"]
+    expected = np.float32(x_scale) * np.asarray(found["conv1.weight"]["y_scale"], np.float32)
+    assert found["conv1.bias"]["y_scale"] == expected.tolist()
+
+
+def test_int32_bias_false_exports_no_bias_encodings(tmp_path, cache):
+    model, samples = convnet.build()
+    export(
+        model,
+        samples,
+        tmp_path,
+        cache,
+        quantizer="w8a16",
+        calibration=convnet.calibration(),
+        encodings_version="2.0.0",
+        int32_bias=False,
+    )
+    doc = json.loads((tmp_path / "model.encodings").read_text())
+    assert not [e for e in doc["encodings"] if e["output_dtype"] == "int32"]

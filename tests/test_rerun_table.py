@@ -197,3 +197,9 @@ def test_batchnorm_trap_rebinds_correctly_after_weight_change(tmp_path):
     ).report.extra["numerics"]
     for out in numerics["outputs"]:
         assert out["max_error_steps"] <= 2
+
+
+def test_int32_bias_option_reruns_encodings_only(warm):
+    model, out, cache = warm
+    report = build(model, out, cache, encodings_version="2.0.0", int32_bias=False)
+    assert report.ran == ["encodings"]

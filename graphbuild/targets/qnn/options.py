@@ -21,6 +21,8 @@ class QnnOnnxOptions:
     ``quantizer`` is a preset name (``w8a8``, ``w8a16``, ``w4a16``) or a torchao
     ``Quantizer``; with it graphbuild runs PT2E on ``calibration`` (batches of positional
     inputs). Without it the model is taken as already quantized (fake-quant or q/dq ops).
+    ``int32_bias`` writes int32 bias encodings (scale = input scale x weight scale) as AIMET
+    does; ``None`` follows AIMET's default: on for ``2.0.0``, off for ``1.0.0`` and ``0.6.1``.
     """
 
     opset: int = 21
@@ -32,6 +34,7 @@ class QnnOnnxOptions:
     quantizer: Any = None
     calibration: Sequence[Any] | None = None
     check_numerics: bool = False
+    int32_bias: bool | None = None
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -65,4 +68,5 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "external_data": BOOL,
     "fake_quantize_weights": BOOL,
     "check_numerics": BOOL,
+    "int32_bias": BOOL,
 }

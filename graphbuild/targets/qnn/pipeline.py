@@ -187,12 +187,16 @@ def bind_program_weights(inputs: tuple, samples: Any, context: Any) -> Any:
 def encodings(inputs: tuple, samples: Any, context: Any) -> FileArtifact:
     from graphbuild.targets.qnn.encodings import build_encodings, dumps_encodings
 
-    (qmap, _), qvalues, (_, names) = inputs
+    (qmap, _), qvalues, (lowered, names) = inputs
+    quantizer = context["quantizer"]
     doc = build_encodings(
         QuantMap.from_json(qmap),
         QuantValues.from_tensors(qvalues),
         {int(q): n for q, n in names.items()},
         context["encodings_version"],
+        model=lowered,
+        int32_bias=context["int32_bias"],
+        quant_scheme="min_max" if isinstance(quantizer, str) else None,  # presets: MinMax
     )
     return FileArtifact(f"{context['model_name']}.encodings", dumps_encodings(doc).encode())
 
@@ -279,7 +283,9 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
             bind_model_weights, "bind", reads=(UNKEYED_INPUT, "ctx.fake_quantize_weights")
         ).depends_on(lower, qmap, bind_values, weights)
     enc = p.register_stage(
-        encodings, "encodings", reads=("ctx.encodings_version", "ctx.model_name")
+        encodings,
+        "encodings",
+        reads=("ctx.encodings_version", "ctx.model_name", "ctx.int32_bias", "ctx.quantizer"),
     ).depends_on(qmap, qp, lower)
     p.products = [bound.name, enc.name]
     p.output_files = frozenset({f"{request.model_name}.encodings"})

@@ -1,23 +1,26 @@
 """Put an encodings document back into a float ONNX graph as float quantize-dequantize, so
-numerics can be checked from the ``.encodings`` file alone."""
+numerics can be checked from the ``.encodings`` file alone.
+
+The rewrite is an onnx_ir pass (:class:`InsertFakeQuantPass`, in place on an ``ir.Model``);
+:func:`insert_fake_quant` runs it on a copy of a ``ModelProto``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
 
 from graphbuild.errors import ExportError
 from graphbuild.onnx.naming import fresh_name
 from graphbuild.targets.qnn.encodings.read import TensorEncoding, read_encodings
 
-__all__ = ["insert_fake_quant"]
+__all__ = ["InsertFakeQuantPass", "insert_fake_quant"]
 
 _MIN_OPSET = 11  # Round and Clip(min, max inputs)
 
@@ -31,31 +34,16 @@ def insert_fake_quant(model: onnx.ModelProto, doc: Mapping[str, Any]) -> onnx.Mo
     and the chain writes the output. ``model`` is not modified.
     """
     encodings = read_encodings(doc)
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    _check_opset(out)
-    editor = _FakeQuantEditor(out, original=model)
-    for enc in encodings.values():
-        editor.add(enc)
-    editor.finish()
-    return out
+    _check_opset(model)
+    ir_model = ir.serde.deserialize_model(model)  # a new object graph; ``model`` is only read
+    result = InsertFakeQuantPass(encodings, dims=lambda: _value_dims(model))(ir_model)
+    return ir.serde.serialize_model(result.model)
 
 
 def _check_opset(model: onnx.ModelProto) -> None:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None or opset < _MIN_OPSET:
         raise ExportError(f"fake quantization needs ONNX opset >= {_MIN_OPSET}, got {opset}")
-
-
-def _graph_names(graph: onnx.GraphProto) -> set[str]:
-    """Every tensor and node name used in ``graph`` (not its subgraphs)."""
-    names = {t.name for t in graph.initializer}
-    names.update(v.name for v in (*graph.input, *graph.output, *graph.value_info))
-    for node in graph.node:
-        names.update(node.output)
-        names.update(node.input)
-        names.add(node.name)
-    return names
 
 
 def _value_dims(model: onnx.ModelProto) -> dict[str, tuple[int | None, ...]]:
@@ -73,28 +61,14 @@ def _value_dims(model: onnx.ModelProto) -> dict[str, tuple[int | None, ...]]:
     return dims
 
 
-def _rename_inputs(nodes: Iterable[onnx.NodeProto], renames: Mapping[str, str]) -> None:
-    """Point every input in ``renames`` (also inside subgraphs) to its new name."""
-    for node in nodes:
-        for i, name in enumerate(node.input):
-            if name in renames:
-                node.input[i] = renames[name]
-        for attr in node.attribute:
-            for sub in (attr.g,) if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-                _rename_inputs(sub.node, renames)
-                for out in sub.output:
-                    out.name = renames.get(out.name, out.name)
-
-
-def _node_axes(node: onnx.NodeProto, rank: int) -> tuple[int, int]:
+def _node_axes(node: ir.Node, rank: int) -> tuple[int, int]:
     """(output-channel axis, input-channel axis) of ``node``'s weight input, as QNN reads it."""
     if node.op_type == "ConvTranspose":
         return 1, 0
     if node.op_type == "MatMul":
         return rank - 1, rank - 2
     if node.op_type == "Gemm":
-        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
-        return (0, 1) if trans_b else (1, 0)
+        return (0, 1) if node.attributes.get_int("transB", 0) else (1, 0)
     return 0, 1
 
 
@@ -129,103 +103,126 @@ def _expand_blocks(
     return np.take(full, np.arange(shape[axis]), axis=axis)
 
 
-class _FakeQuantEditor:
-    """Collects fake-quant chains for one graph, then rewires and inserts them in one pass."""
+class InsertFakeQuantPass(ir.passes.InPlacePass):
+    """Quantize-dequantize, in float, every tensor an encodings document names.
 
-    def __init__(self, model: onnx.ModelProto, original: onnx.ModelProto):
+    Each tensor ``t`` gets ``Div(s) -> Round -> Add(z) -> Clip(qmin, qmax) -> Sub(z) -> Mul(s)``
+    right after its producer (at the front for initializers and graph inputs) and every reader,
+    in subgraphs too, reads the result. A graph output keeps its name: its producer's output is
+    renamed ``{t}_raw`` and the chain writes ``t``. Scales and zero points become float32
+    initializers. ``dims`` gives static shapes of activations, computed only when a
+    per-channel or blocked activation needs one.
+    """
+
+    def __init__(
+        self,
+        encodings: Mapping[str, TensorEncoding],
+        dims: Callable[[], Mapping[str, tuple[int | None, ...]]] | None = None,
+    ):
+        super().__init__()
+        self.encodings = encodings
+        self._dims_source = dims
+        self._dims: Mapping[str, tuple[int | None, ...]] | None = None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.graph, self.original = graph, original
-        self.inits = {t.name: t for t in graph.initializer}
-        self.inputs = {v.name for v in graph.input}
-        self.outputs = {v.name for v in graph.output}
-        self.producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
-        self.consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
-        for node in graph.node:
-            for i, name in enumerate(node.input):
-                self.consumers[name].append((node, i))
-        self.used = _graph_names(graph)
-        self.renames: dict[str, str] = {}
-        self.front: list[onnx.NodeProto] = []
-        self.after: dict[int, list[onnx.NodeProto]] = defaultdict(list)
-        self.new_inits: list[onnx.TensorProto] = []
-        self._dims: dict[str, tuple[int | None, ...]] | None = None
+        self._taken = _taken_names(graph)
+        self._values = {v.name: v for v in graph.inputs}
+        self._values.update(graph.initializers)
+        for node in graph:
+            self._values.update((v.name, v) for v in node.outputs if v.name)
+        self._dims = None
+        front: list[ir.Node] = []
+        after: dict[int, list[ir.Node]] = {}
+        for enc in self.encodings.values():
+            value = self._value(enc.name)
+            producer = value.producer()
+            chain = self._chain(value, enc)
+            if producer is None:
+                front.extend(chain)
+            else:
+                after.setdefault(id(producer), []).extend(chain)
+        for node in list(graph):
+            if id(node) in after:
+                graph.insert_after(node, after[id(node)])
+        if front:
+            first = next(iter(graph), None)
+            if first is None:
+                graph.extend(front)
+            else:
+                graph.insert_before(first, front)
+        return ir.passes.PassResult(model, modified=bool(self.encodings))
 
-    def fresh(self, base: str) -> str:
-        """A name not yet used in the graph, based on ``base``."""
-        return fresh_name(base, self.used)
+    # ------------------------------------------------------------------ one tensor
 
-    def add(self, enc: TensorEncoding) -> None:
-        """Plan the chain for ``enc``'s tensor and the rewiring of its readers."""
-        name = enc.name
-        position = self._position(name)
-        scale, zero_point = self._constants(enc)
-        if name in self.outputs:
-            src, dst = self._detach_output(name), name
-        else:
-            src, dst = name, self.fresh(f"{name}_fq")
-            self.renames[name] = dst
-        chain = self._chain(src, dst, scale, zero_point, enc)
-        (self.front if position < 0 else self.after[position]).extend(chain)
+    def _fresh(self, base: str) -> str:
+        return fresh_name(base, self._taken)
 
-    def finish(self) -> None:
-        """Rewire the readers and put the chains and their constants into the graph."""
-        _rename_inputs(self.graph.node, self.renames)
-        nodes: list[onnx.NodeProto] = list(self.front)
-        for i, node in enumerate(self.graph.node):
-            nodes.append(node)
-            nodes.extend(self.after.get(i, ()))
-        copies = [onnx.NodeProto() for _ in nodes]
-        for copy, node in zip(copies, nodes, strict=True):
-            copy.CopyFrom(node)
-        del self.graph.node[:]
-        self.graph.node.extend(copies)
-        self.graph.initializer.extend(self.new_inits)
-
-    def _position(self, name: str) -> int:
-        """-1 for initializers and graph inputs, else the producing node's index."""
-        if name in self.inits or name in self.inputs:
-            return -1
-        if name not in self.producer:
+    def _value(self, name: str) -> ir.Value:
+        if name not in self._values:
             raise ExportError(f"the encodings name tensor '{name}', which the model does not have")
-        return self.producer[name]
+        return self._values[name]
 
-    def _detach_output(self, name: str) -> str:
-        """Rename the definition of graph output ``name`` so the chain can write ``name``."""
-        if name in self.inputs:
-            raise ExportError(f"tensor '{name}' is both a graph input and output; cannot encode")
-        raw = self.fresh(f"{name}_raw")
-        if name in self.inits:
-            self.inits[name].name = raw
-            return raw
-        outputs = self.graph.node[self.producer[name]].output
-        outputs[list(outputs).index(name)] = raw
-        return raw
+    def _chain(self, value: ir.Value, enc: TensorEncoding) -> list[ir.Node]:
+        """The chain for ``value``, its readers (and graph-output slot) moved onto the result."""
+        scale, zero_point = self._constants(value, enc)
+        graph = value.graph
+        uses = list(value.uses())
+        output_at = [i for i, out in enumerate(graph.outputs) if out is value]
+        name = enc.name
+        if output_at:
+            if value.is_graph_input():
+                raise ExportError(
+                    f"tensor '{name}' is both a graph input and output; cannot encode"
+                )
+            self._rename(value, self._fresh(f"{name}_raw"))
+            dst = name
+        else:
+            dst = self._fresh(f"{name}_fq")
+        nodes = self._chain_nodes(value, dst, scale, zero_point, enc)
+        result = nodes[-1].outputs[0]
+        result.type, result.shape = value.type, value.shape  # the chain keeps dtype and shape
+        for use in uses:
+            use.node.replace_input_with(use.idx, result)
+        for i in output_at:
+            graph.outputs[i] = result
+        return nodes
 
-    def _tensor_dims(self, name: str) -> tuple[int | None, ...]:
-        if name in self.inits:
-            return tuple(self.inits[name].dims)
+    def _rename(self, value: ir.Value, name: str) -> None:
+        """Give ``value`` (an op output or an initializer) a new name."""
+        graph = value.graph
+        if value.is_initializer():
+            graph.initializers.pop(value.name)
+            value.name = name
+            graph.register_initializer(value)
+        else:
+            value.name = name
+
+    def _tensor_dims(self, value: ir.Value) -> tuple[int | None, ...]:
+        if value.is_initializer() and value.const_value is not None:
+            return tuple(value.const_value.shape)
         if self._dims is None:
-            self._dims = _value_dims(self.original)
-        if name not in self._dims:
-            raise ExportError(f"tensor '{name}': rank unknown, cannot lay out its encodings")
-        return self._dims[name]
+            self._dims = self._dims_source() if self._dims_source is not None else {}
+        if value.name not in self._dims:
+            raise ExportError(f"tensor '{value.name}': rank unknown, cannot lay out its encodings")
+        return self._dims[value.name]
 
-    def _axes(self, enc: TensorEncoding, rank: int) -> tuple[int, int]:
+    def _axes(self, value: ir.Value, enc: TensorEncoding, rank: int) -> tuple[int, int]:
         """The axis to broadcast along: stated (2.0.0), else from the consuming op (1.0.0, 0.6.1)."""
         if not enc.axis_implied:
             return int(enc.axis or 0), int(enc.axis or 0)
-        weight_of = [n for n, i in self.consumers.get(enc.name, ()) if i == 1]
+        weight_of = [use.node for use in value.uses() if use.idx == 1]
         return _node_axes(weight_of[0], rank) if weight_of else (0, 1)
 
-    def _constants(self, enc: TensorEncoding) -> tuple[np.ndarray, np.ndarray]:
+    def _constants(self, value: ir.Value, enc: TensorEncoding) -> tuple[np.ndarray, np.ndarray]:
         """Scale and zero point as float32 arrays that broadcast against the tensor."""
-        if enc.name in self.inits and self.inits[enc.name].data_type != onnx.TensorProto.FLOAT:
+        if value.is_initializer() and value.dtype != ir.DataType.FLOAT:
             raise ExportError(f"tensor '{enc.name}' is not float32; cannot fake-quantize it")
         scale, zero_point = enc.scale, enc.zero_point.astype(np.float32)
         if enc.granularity == "PER_TENSOR":
             return scale.reshape(()), zero_point.reshape(())
-        dims = self._tensor_dims(enc.name)
-        channel_axis, block_axis = self._axes(enc, len(dims))
+        dims = self._tensor_dims(value)
+        channel_axis, block_axis = self._axes(value, enc, len(dims))
         if enc.granularity == "PER_CHANNEL":
             shape = _channel_shape(enc, channel_axis, dims)
             return scale.reshape(shape), zero_point.reshape(shape)
@@ -233,25 +230,51 @@ class _FakeQuantEditor:
             zero_point, enc, block_axis, dims
         )
 
-    def _const(self, base: str, value: np.ndarray) -> str:
-        name = self.fresh(base)
-        self.new_inits.append(numpy_helper.from_array(value.astype(np.float32), name))
-        return name
+    def _const(self, graph: ir.Graph, base: str, array: np.ndarray) -> ir.Value:
+        name = self._fresh(base)
+        tensor = ir.tensor(array.astype(np.float32), name=name)
+        value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
+        value.const_value = tensor
+        graph.register_initializer(value)
+        return value
 
-    def _chain(
-        self, src: str, dst: str, scale: np.ndarray, zero_point: np.ndarray, enc: TensorEncoding
-    ) -> list[onnx.NodeProto]:
-        """``Div -> Round -> Add -> Clip -> Sub -> Mul`` from ``src`` to ``dst``."""
+    def _chain_nodes(
+        self,
+        src: ir.Value,
+        dst: str,
+        scale: np.ndarray,
+        zero_point: np.ndarray,
+        enc: TensorEncoding,
+    ) -> list[ir.Node]:
+        """``Div -> Round -> Add -> Clip -> Sub -> Mul`` from ``src`` to a value named ``dst``."""
+        graph = src.graph
         base = f"{enc.name}_fq"
-        s = self._const(f"{base}_scale", scale)
-        z = self._const(f"{base}_zero_point", zero_point)
-        lo = self._const(f"{base}_qmin", np.array(enc.qmin))
-        hi = self._const(f"{base}_qmax", np.array(enc.qmax))
+        s = self._const(graph, f"{base}_scale", scale)
+        z = self._const(graph, f"{base}_zero_point", zero_point)
+        lo = self._const(graph, f"{base}_qmin", np.array(enc.qmin))
+        hi = self._const(graph, f"{base}_qmax", np.array(enc.qmax))
         steps = [("Div", [s]), ("Round", []), ("Add", [z]), ("Clip", [lo, hi]), ("Sub", [z])]
-        nodes, value = [], src
+        nodes: list[ir.Node] = []
+        current = src
         for op, extra in steps:
-            out = self.fresh(f"{base}_{op.lower()}")
-            nodes.append(helper.make_node(op, [value, *extra], [out], name=out))
-            value = out
-        nodes.append(helper.make_node("Mul", [value, s], [dst], name=self.fresh(f"{base}_mul")))
+            out = self._fresh(f"{base}_{op.lower()}")
+            node = ir.node(op, [current, *extra], name=out, outputs=[ir.Value(name=out)])
+            nodes.append(node)
+            current = node.outputs[0]
+        mul = ir.node(
+            "Mul", [current, s], name=self._fresh(f"{base}_mul"), outputs=[ir.Value(name=dst)]
+        )
+        nodes.append(mul)
         return nodes
+
+
+def _taken_names(graph: ir.Graph) -> set[str]:
+    """Every tensor and node name used in ``graph`` (not its subgraphs), as the fresh names
+    of the chains must avoid them."""
+    names = {v.name for v in (*graph.inputs, *graph.outputs) if v.name}
+    names.update(graph.initializers)
+    for node in graph:
+        names.update(v.name for v in (*node.inputs, *node.outputs) if v is not None and v.name)
+        if node.name:
+            names.add(node.name)
+    return names

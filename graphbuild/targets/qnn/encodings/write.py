@@ -3,6 +3,13 @@
 A quantizer is ``x = s * (q - z)`` with ``q`` in ``[qmin, qmax]`` (DESIGN.md, "QNN encodings
 formats"). QNN's 1.0.0 and 0.6.1 store an *offset* on the unsigned grid instead of ``z``; 2.0.0
 stores ``z`` itself, as ONNX QuantizeLinear does.
+
+The documents carry what AIMET's own exports carry (aimet-onnx / aimet-torch 2.42,
+``QuantizationSimModel.export``): a ``producer``; in 1.0.0 and 0.6.1 ``quantizer_args`` (the
+run-wide defaults QNN's converter falls back on) and ``excluded_layers`` (aimet-torch writes it
+in both). Offsets are JSON integers, as aimet-torch writes them (aimet-onnx writes ``-128.0``;
+both parse the same). With an ONNX model at hand, int32 bias encodings are derived
+as AIMET does by default for 2.0.0 (:mod:`.bias`).
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 
 from graphbuild.errors import ExportError
 from graphbuild.frontend.quantmap import QuantMap, QuantSpec, QuantValues
+from graphbuild.targets.qnn.encodings.bias import BiasScale, find_int32_biases
 from graphbuild.targets.qnn.encodings.grid import (
     DEFAULT_VERSION,
     SECTIONS,
@@ -28,6 +37,8 @@ from graphbuild.targets.qnn.encodings.grid import (
 __all__ = ["build_encodings", "dumps_encodings"]
 
 _CONTAINER_BITS = (4, 8, 16, 32)
+BIAS_OP = "graphbuild.int32_bias"
+"""The ``op`` of the quantizer an int32 bias encoding is written from (no graph op has it)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,16 +74,100 @@ def build_encodings(
     values: QuantValues,
     names: Mapping[int, str],
     version: str = DEFAULT_VERSION,
+    *,
+    model: onnx.ModelProto | None = None,
+    int32_bias: bool | None = None,
+    quant_scheme: str | None = None,
 ) -> dict[str, Any]:
     """The QNN encodings document for every quantizer of ``qmap``, in qid order.
 
     ``names[qid]`` is the ONNX tensor the quantizer annotates. Two quantizers on one tensor
     are written once when their encodings agree; disagreeing ones are an :class:`ExportError`.
+
+    ``int32_bias`` adds an int32 encoding for every Conv/ConvTranspose/Gemm/MatMul+Add bias of
+    ``model`` whose input and weight are quantized (scale = input scale x weight scale, as
+    AIMET derives it); ``None`` means AIMET's default: on for 2.0.0 when ``model`` is given,
+    off for 1.0.0 and 0.6.1. ``quant_scheme`` goes into ``quantizer_args`` when known.
     """
     check_version(version)
     quantizers = [_resolve(spec, values, names) for spec in sorted(qmap, key=lambda s: s.qid)]
+    wants_bias = int32_bias if int32_bias is not None else version == "2.0.0" and bool(model)
+    if wants_bias:
+        if model is None:
+            raise ExportError("int32 bias encodings need the ONNX model the encodings describe")
+        quantizers = _with_biases(quantizers, model, names, len(qmap))
     rows = _unique_rows((q, _ENTRY_WRITERS[version](q)) for q in quantizers)
-    return _DOC_WRITERS[version](rows)
+    return _DOC_WRITERS[version](rows, _quantizer_args(quantizers, quant_scheme))
+
+
+def _with_biases(
+    quantizers: list[_Quantizer], model: onnx.ModelProto, names: Mapping[int, str], next_qid: int
+) -> list[_Quantizer]:
+    """``quantizers`` with an int32 bias quantizer after the weight quantizer it derives from."""
+    known = {q.spec.qid: (q.spec, q.scale) for q in quantizers}
+    after: dict[int, list[_Quantizer]] = {}
+    for i, bias in enumerate(find_int32_biases(model, known, names)):
+        after.setdefault(bias.weight_qid, []).append(_bias_quantizer(bias, next_qid + i))
+    out: list[_Quantizer] = []
+    for q in quantizers:
+        out.append(q)
+        out.extend(after.get(q.spec.qid, ()))
+    return out
+
+
+def _bias_quantizer(bias: BiasScale, qid: int) -> _Quantizer:
+    """The signed int32 grid with zero point 0 that AIMET gives a bias."""
+    lo, hi = full_grid(32, True)
+    spec = QuantSpec(
+        qid=qid,
+        bits=32,
+        signed=True,
+        qmin=lo,
+        qmax=hi,
+        axis=None if bias.per_tensor else 0,
+        param=bias.name,
+        op=BIAS_OP,
+        node=bias.node,
+        symmetric=True,
+    )
+    scale = bias.scale.reshape(-1).astype(np.float32)
+    return _Quantizer(bias.name, spec, scale, np.zeros(scale.shape, dtype=np.int64))
+
+
+def _quantizer_args(quantizers: Sequence[_Quantizer], quant_scheme: str | None) -> dict[str, Any]:
+    """AIMET's run-wide ``quantizer_args``, read off the quantizers themselves: the most common
+    activation and weight bit-widths (ties to the wider), whether every weight is symmetric and
+    whether any is per-channel. Int32 biases are not weights here, as in AIMET."""
+    acts = [q for q in quantizers if q.spec.param is None]
+    weights = [q for q in quantizers if q.spec.param is not None and q.spec.op != BIAS_OP]
+    args: dict[str, Any] = {
+        "activation_bitwidth": _most_common_bits(acts),
+        "dtype": "int",
+        "is_symmetric": bool(weights) and all(q.is_sym for q in weights),
+        "param_bitwidth": _most_common_bits(weights),
+        "per_channel_quantization": any(q.spec.axis is not None for q in weights),
+    }
+    if quant_scheme is not None:
+        args["quant_scheme"] = quant_scheme
+    return args
+
+
+_DEFAULT_BITS = 8
+
+
+def _most_common_bits(quantizers: Sequence[_Quantizer]) -> int:
+    counts: dict[int, int] = {}
+    for q in quantizers:
+        counts[q.spec.bits] = counts.get(q.spec.bits, 0) + 1
+    if not counts:
+        return _DEFAULT_BITS
+    return max(counts, key=lambda bits: (counts[bits], bits))
+
+
+def _producer() -> dict[str, str]:
+    import graphbuild
+
+    return {"package": "graphbuild", "version": graphbuild.__version__}
 
 
 def _resolve(spec: QuantSpec, values: QuantValues, names: Mapping[int, str]) -> _Quantizer:
@@ -196,23 +291,30 @@ def _container(spec: QuantSpec) -> tuple[str, int]:
     )
 
 
-def _doc_1_0_0(rows: Sequence[tuple[_Quantizer, Any]]) -> dict[str, Any]:
-    doc: dict[str, Any] = {"version": "1.0.0"}
+Rows = Sequence[tuple[_Quantizer, Any]]
+
+
+def _doc_1_0_0(rows: Rows, quantizer_args: dict[str, Any]) -> dict[str, Any]:
+    doc: dict[str, Any] = {"version": "1.0.0", "producer": _producer()}
     for section, _ in SECTIONS:
         doc[section] = [entry for q, entry in rows if q.section == section]
     doc["excluded_layers"] = []
+    doc["quantizer_args"] = quantizer_args
     return doc
 
 
-def _doc_0_6_1(rows: Sequence[tuple[_Quantizer, Any]]) -> dict[str, Any]:
-    doc: dict[str, Any] = {"version": "0.6.1"}
+def _doc_0_6_1(rows: Rows, quantizer_args: dict[str, Any]) -> dict[str, Any]:
+    doc: dict[str, Any] = {"version": "0.6.1", "producer": _producer()}
     for section, _ in SECTIONS:
         doc[section] = {q.name: entry for q, entry in rows if q.section == section}
+    doc["excluded_layers"] = []
+    doc["quantizer_args"] = quantizer_args
     return doc
 
 
-def _doc_2_0_0(rows: Sequence[tuple[_Quantizer, Any]]) -> dict[str, Any]:
-    return {"version": "2.0.0", "encodings": [entry for _, entry in rows]}
+def _doc_2_0_0(rows: Rows, quantizer_args: dict[str, Any]) -> dict[str, Any]:
+    """2.0.0 as aimet-onnx writes it: no ``quantizer_args``, no ``excluded_layers``."""
+    return {"version": "2.0.0", "producer": _producer(), "encodings": [e for _, e in rows]}
 
 
 _ENTRY_WRITERS: dict[str, Callable[[_Quantizer], Any]] = {
@@ -220,7 +322,7 @@ _ENTRY_WRITERS: dict[str, Callable[[_Quantizer], Any]] = {
     "0.6.1": _entry_0_6_1,
     "2.0.0": _entry_2_0_0,
 }
-_DOC_WRITERS: dict[str, Callable[[Sequence[tuple[_Quantizer, Any]]], dict[str, Any]]] = {
+_DOC_WRITERS: dict[str, Callable[[Rows, dict[str, Any]], dict[str, Any]]] = {
     "1.0.0": _doc_1_0_0,
     "0.6.1": _doc_0_6_1,
     "2.0.0": _doc_2_0_0,
