@@ -19,12 +19,23 @@ class ValueRef:
     """Where a quantizer's scale or zero point comes from.
 
     ``kind`` is ``"state"`` (a parameter or buffer of the exported program, by name),
-    ``"constant"`` (a lifted tensor constant of the program, by name) or ``"literal"`` (a
-    number written into the graph; ``name`` is then ``"<node>:<arg index>"``).
+    ``"constant"`` (a lifted tensor constant of the program, by name), ``"literal"`` (a
+    number written into the graph; ``name`` is then ``"<node>:<arg index>"``) or
+    ``"computed"``: a value the graph computes from state and constants with a few pure
+    ATen ops (AIMET's scale from its min/max parameters, FastForward's zero point from its
+    offset); ``expr`` holds those steps as JSON (``frontend.qvalues.evaluate``) and ``name``
+    the graph node it stands for, for messages.
     """
 
     kind: str
     name: str
+    expr: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.expr is None:
+            del data["expr"]  # the quant maps of every other kind read as they always have
+        return data
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,11 @@ class QuantSpec:
         return "PER_TENSOR" if self.axis is None else "PER_CHANNEL"
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        for key in ("scale", "zero_point"):
+            ref = getattr(self, key)
+            data[key] = ref.to_json() if ref is not None else None
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> QuantSpec:

@@ -8,7 +8,9 @@ written into the graph itself (:func:`fixed_values`), a pre-quantized model's st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch.export import ExportedProgram
@@ -19,10 +21,99 @@ from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValu
 from graphbuild.frontend.recognizers import aten_name, get_arg, stored_tensor
 
 __all__ = [
+    "VALUE_OPS",
     "collect_qvalues",
+    "evaluate",
     "fixed_values",
     "qvalues_from",
 ]
+
+#: The ATen ops (functional ``name.overload``) a ``computed`` value may use: pure arithmetic
+#: on scales and offsets. Anything else is refused, so a quant map read from the cache can
+#: make graphbuild call nothing but these (DESIGN.md, invariant 7).
+VALUE_OPS = frozenset(
+    {
+        "abs.default",
+        "add.Scalar",
+        "add.Tensor",
+        "alias.default",
+        "clamp.default",
+        "clamp.Tensor",
+        "clamp_max.default",
+        "clamp_min.default",
+        "clone.default",
+        "detach.default",
+        "div.Scalar",
+        "div.Tensor",
+        "expand.default",
+        "full.default",
+        "lift_fresh_copy.default",
+        "maximum.default",
+        "minimum.default",
+        "mul.Scalar",
+        "mul.Tensor",
+        "neg.default",
+        "reciprocal.default",
+        "reshape.default",
+        "round.default",
+        "sub.Scalar",
+        "sub.Tensor",
+        "to.dtype",
+        "view.default",
+        "_to_copy.default",
+    }
+)
+_DTYPES = {
+    str(t).removeprefix("torch."): t
+    for t in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int32,
+        torch.int64,
+        torch.int8,
+        torch.uint8,
+    )
+}
+
+
+def _refs_in(expr: str) -> Iterator[ValueRef]:
+    """The state and constant tensors a ``computed`` value reads."""
+    for _, args, kwargs in json.loads(expr)["steps"]:
+        for arg in (*args, *kwargs.values()):
+            if isinstance(arg, dict) and "ref" in arg:
+                yield ValueRef(*arg["ref"])
+
+
+def evaluate(expr: str, leaf: Callable[[ValueRef], torch.Tensor]) -> torch.Tensor:
+    """The value of a ``computed`` :class:`ValueRef`: its steps run in order on CPU, the last
+    one's result returned. ``leaf`` supplies the state and constant tensors it reads."""
+    steps = json.loads(expr)["steps"]
+    results: list[torch.Tensor] = []
+
+    def decode(arg: Any) -> Any:
+        if isinstance(arg, dict):
+            if "step" in arg:
+                return results[int(arg["step"])]
+            if "ref" in arg:
+                return leaf(ValueRef(*arg["ref"])).detach().cpu()
+            if "dtype" in arg:
+                return _DTYPES[arg["dtype"]]
+            raise ExportError(f"computed quantizer value: unknown argument {arg!r}")
+        if isinstance(arg, list):
+            return [decode(a) for a in arg]
+        return arg
+
+    for op, args, kwargs in steps:
+        if op not in VALUE_OPS:
+            raise ExportError(f"computed quantizer value uses '{op}', which is not allowed")
+        name, overload = op.split(".")
+        fn = getattr(getattr(torch.ops.aten, name), overload)
+        results.append(fn(*[decode(a) for a in args], **{k: decode(v) for k, v in kwargs.items()}))
+    if not results:
+        raise ExportError("computed quantizer value has no steps")
+    return results[-1]
 
 
 def _literal(ref: ValueRef, nodes: Mapping[str, Node]) -> torch.Tensor:
@@ -47,6 +138,8 @@ def _resolve(
         return _literal(ref, nodes)
     if ref.kind in ("state", "constant"):
         return stored_tensor(program, ref, state).detach()
+    if ref.kind == "computed" and ref.expr is not None:
+        return evaluate(ref.expr, lambda leaf: _resolve(leaf, program, nodes, state))
     raise ExportError(f"unknown value kind '{ref.kind}' for '{ref.name}'")
 
 
@@ -58,8 +151,10 @@ def _qparams(spec: QuantSpec, resolve: Callable[[ValueRef], torch.Tensor]) -> QP
         zero_point = torch.zeros(scale.shape, dtype=torch.int64)
     else:
         zero_point = resolve(spec.zero_point)
-        if zero_point.is_floating_point():  # learnable fake-quant: rounded, clamped as ATen does
-            zero_point = zero_point.round().clamp(spec.qmin, spec.qmax)
+        if zero_point.is_floating_point():
+            zero_point = zero_point.round()
+            if spec.zero_point.kind != "computed":  # learnable fake-quant: clamped as ATen does
+                zero_point = zero_point.clamp(spec.qmin, spec.qmax)
         zero_point = zero_point.to(torch.int64)
     if spec.block_size is None:
         scale, zero_point = scale.reshape(-1), zero_point.reshape(-1)
@@ -75,8 +170,10 @@ def fixed_values(program: ExportedProgram, qmap: QuantMap) -> dict[str, torch.Te
     ``kind:name``: part of the code, so a stage can carry them without the program."""
     nodes = {n.name: n for n in program.graph.nodes}
     refs = [r for s in qmap for r in (s.scale, s.zero_point) if r is not None]
+    leaves = [r for r in refs if r.kind != "computed"]
+    leaves += [leaf for r in refs if r.kind == "computed" and r.expr for leaf in _refs_in(r.expr)]
     return {
-        _ref_key(r): _resolve(r, program, nodes, None).clone() for r in refs if r.kind != "state"
+        _ref_key(r): _resolve(r, program, nodes, None).clone() for r in leaves if r.kind != "state"
     }
 
 
@@ -87,6 +184,8 @@ def qvalues_from(
     the values :func:`fixed_values` took from the graph."""
 
     def resolve(ref: ValueRef) -> torch.Tensor:
+        if ref.kind == "computed" and ref.expr is not None:
+            return evaluate(ref.expr, resolve)
         if ref.kind != "state":
             return fixed[_ref_key(ref)]
         if ref.name not in state:
