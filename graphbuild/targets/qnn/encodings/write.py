@@ -91,7 +91,8 @@ def build_encodings(
     """
     check_version(version)
     quantizers = [_resolve(spec, values, names) for spec in sorted(qmap, key=lambda s: s.qid)]
-    wants_bias = int32_bias if int32_bias is not None else version == "2.0.0" and bool(model)
+    default = version == "2.0.0" and model is not None  # aimet-onnx: export_int32_bias=None
+    wants_bias = int32_bias if int32_bias is not None else default
     if wants_bias:
         if model is None:
             raise ExportError("int32 bias encodings need the ONNX model the encodings describe")
