@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.text import Text
 
+from graphbuild.engine.status import StageStatus
+
 if TYPE_CHECKING:
     from graphbuild.engine.scheduler import RunReport, StageEvent
 
@@ -88,7 +90,7 @@ class Progress:
         return text
 
     def summary(self, report: RunReport, seconds: float) -> Text:
-        cutoff = len(report.with_status("cutoff"))
+        cutoff = len(report.with_status(StageStatus.CUTOFF))
         text = Text(
             f"{len(report.ran)} ran, {len(report.hits)} hit, saved {report.seconds_saved:.1f} s",
             style="bold" if self.live else "",

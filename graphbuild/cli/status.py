@@ -26,6 +26,7 @@ from graphbuild.cli.options import (
 )
 from graphbuild.cli.output import ago, emit_json, make_console
 from graphbuild.config import Config
+from graphbuild.engine.status import StageStatus
 from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def show_status(cfg: Config, cache: Cache | None, as_json: bool) -> None:
 
     request, _ = build_request(cfg, cache)
     report = status(request)
-    dirty = report.with_status("dirty")
+    dirty = report.with_status(StageStatus.DIRTY)
     if as_json:
         emit_json(
             {
@@ -64,14 +65,17 @@ def show_status(cfg: Config, cache: Cache | None, as_json: bool) -> None:
         )
         return
     console = make_console()
-    styles = {"hit": "green", "dirty": "yellow", "maybe": "cyan"}
+    styles = {StageStatus.HIT: "green", StageStatus.DIRTY: "yellow", StageStatus.MAYBE: "cyan"}
     for s in report.stages:
         line = Text(f"{s.name:<16} ")
         line.append(f"{s.status:<6}", style=styles.get(s.status, ""))
         if s.reason:
             line.append(f"  {s.reason}")
         console.print(line)
-    counts = {k: len(report.with_status(k)) for k in ("dirty", "maybe", "hit")}
+    counts = {
+        k: len(report.with_status(k))
+        for k in (StageStatus.DIRTY, StageStatus.MAYBE, StageStatus.HIT)
+    }
     if not dirty:
         console.print(Text("up to date: an export would run nothing", style="bold"))
     else:

@@ -15,6 +15,7 @@ from graphbuild.engine.scheduler import (
     plan_reads,
     plan_status,
 )
+from graphbuild.engine.status import StageStatus
 
 if TYPE_CHECKING:
     from graphbuild.cache import Cache
@@ -57,16 +58,18 @@ def explain_plan(
         now = run._snapshot(name)
         last = cache.last_run(run_id, name)
         pending = [
-            d for d in pipeline.dependencies(name) if planned_run[d].status in ("dirty", "maybe")
+            d
+            for d in pipeline.dependencies(name)
+            if planned_run[d].status in (StageStatus.DIRTY, StageStatus.MAYBE)
         ]
         for dep in pending:  # unknown until it reruns: do not report it as a change
             now["upstream"][dep] = ((last or {}).get("upstream") or {}).get(dep)
         reason, changes = explain_changes(last, now)
         if not last:
             reason = "no record of a previous run"
-        elif not changes and planned.status == "hit":
+        elif not changes and planned.status == StageStatus.HIT:
             reason = "unchanged since the last run"
-        elif not changes and planned.status == "maybe":
+        elif not changes and planned.status == StageStatus.MAYBE:
             reason = f"its own reads are unchanged; reruns only if {_outputs_of(pending)}"
         elif pending:
             reason += f"; also downstream of dirty {', '.join(pending)}"

@@ -33,6 +33,7 @@ from graphbuild.engine.fingerprint import (
 from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.engine.key import stage_key
 from graphbuild.engine.pipeline import UNKEYED_INPUT
+from graphbuild.engine.status import StageStatus
 from graphbuild.errors import (
     FingerprintMismatchError,
     GraphbuildError,
@@ -102,7 +103,7 @@ class StageRecord:
     """The run report's line for one stage."""
 
     name: str
-    status: str = "pending"
+    status: StageStatus = StageStatus.PENDING
     key: str | None = None
     seconds: float = 0.0
     bytes: int = 0
@@ -132,19 +133,19 @@ class RunReport:
         raise KeyError(name)
 
     @property
-    def statuses(self) -> dict[str, str]:
+    def statuses(self) -> dict[str, StageStatus]:
         return {s.name: s.status for s in self.stages}
 
-    def with_status(self, *statuses: str) -> list[str]:
+    def with_status(self, *statuses: StageStatus | str) -> list[str]:
         return [s.name for s in self.stages if s.status in statuses]
 
     @property
     def ran(self) -> list[str]:
-        return self.with_status("ran")
+        return self.with_status(StageStatus.RAN)
 
     @property
     def hits(self) -> list[str]:
-        return self.with_status("hit", "cutoff")
+        return self.with_status(StageStatus.HIT, StageStatus.CUTOFF)
 
     @property
     def seconds_saved(self) -> float:
@@ -387,14 +388,18 @@ class _Run:
             st = _State(StageRecord(name), plan_reads(self.pipeline, name, self.context))
             self.states[name] = st
             deps = self.pipeline.dependencies(name)
-            blocked = [d for d in deps if self.states[d].record.status in ("failed", "skipped")]
+            blocked = [
+                d
+                for d in deps
+                if self.states[d].record.status in (StageStatus.FAILED, StageStatus.SKIPPED)
+            ]
             if self.stopped is not None:
-                st.record.status = "skipped"
+                st.record.status = StageStatus.SKIPPED
                 st.record.reason = f"the run stopped: stage '{self.stopped}' edited its input"
                 self.emit(StageEvent(EventKind.SKIPPED, name, reason=st.record.reason))
                 continue
             if blocked:
-                st.record.status = "skipped"
+                st.record.status = StageStatus.SKIPPED
                 st.record.reason = f"upstream '{blocked[0]}' did not complete"
                 self.emit(StageEvent(EventKind.SKIPPED, name, reason=st.record.reason))
                 continue
@@ -453,7 +458,7 @@ class _Run:
             self._check_inputs(name, inputs, before)
             digest = encode(value).digest
         except InputMutationError as err:
-            rec.status, rec.error = "failed", str(err)
+            rec.status, rec.error = StageStatus.FAILED, str(err)
             rec.seconds = time.perf_counter() - t0
             self.stopped = name
             self.failure = StageError(name, err, tuple(self.ran_order))
@@ -477,7 +482,7 @@ class _Run:
             + f"({', '.join(stage.reads) if stage.reads is not None else 'everything'}) "
             + "miss something it depends on"
         )
-        rec.status, rec.error = "failed", str(err)
+        rec.status, rec.error = StageStatus.FAILED, str(err)
         rec.seconds = time.perf_counter() - t0
         self.failure = StageError(name, err, tuple(self.ran_order))
         self.emit(StageEvent(EventKind.FAILED, name, rec.key, rec.seconds, rec.reason, err))
@@ -490,9 +495,10 @@ class _Run:
         rec.bytes = int(manifest.get("bytes", 0))
         rec.saved_seconds = float(manifest.get("seconds", 0.0))
         upstream_ran = any(
-            self.states[d].record.status == "ran" for d in self.pipeline.dependencies(name)
+            self.states[d].record.status == StageStatus.RAN
+            for d in self.pipeline.dependencies(name)
         )
-        rec.status = "cutoff" if upstream_ran else "hit"
+        rec.status = StageStatus.CUTOFF if upstream_ran else StageStatus.HIT
         if upstream_ran:
             rec.reason = "upstream reran with an identical output (early cutoff)"
         self._remember(name)
@@ -513,7 +519,7 @@ class _Run:
         except CorruptEntry as err:
             st.manifest = None
             self._execute(name, reason=f"cache entry was corrupt ({err}); rebuilt")
-            if self.states[name].record.status == "failed":
+            if self.states[name].record.status == StageStatus.FAILED:
                 raise self.failure from err  # type: ignore[misc]
             return st.value
         st.value, st.has_value = value, True
@@ -533,7 +539,7 @@ class _Run:
         try:
             inputs = self._inputs(name)
         except StageError:
-            rec.status, rec.reason = "skipped", "an upstream rebuild failed"
+            rec.status, rec.reason = StageStatus.SKIPPED, "an upstream rebuild failed"
             return
         old_upstream = list(st.upstream)
         key = self.compute_key(name)
@@ -554,7 +560,7 @@ class _Run:
             raise
         except Exception as err:
             rec.seconds = time.perf_counter() - t0
-            rec.status, rec.error = "failed", f"{type(err).__name__}: {err}"
+            rec.status, rec.error = StageStatus.FAILED, f"{type(err).__name__}: {err}"
             if isinstance(err, InputMutationError):
                 self.stopped = name
             self.failure = StageError(name, err, tuple(self.ran_order))
@@ -562,7 +568,7 @@ class _Run:
             return
         rec.seconds = time.perf_counter() - t0
         st.value, st.has_value = value, True
-        rec.digest, rec.bytes, rec.status = encoded.digest, encoded.size, "ran"
+        rec.digest, rec.bytes, rec.status = encoded.digest, encoded.size, StageStatus.RAN
         self.ran_order.append(name)
         if self.cache is not None:
             self.cache.count_miss()
@@ -725,7 +731,11 @@ class LazyOutputs(Mapping[str, Any]):
 
     def __init__(self, run: _Run, names: Iterable[str]):
         self._run = run
-        self._names = [n for n in names if run.states[n].record.status in ("ran", "hit", "cutoff")]
+        self._names = [
+            n
+            for n in names
+            if run.states[n].record.status in (StageStatus.RAN, StageStatus.HIT, StageStatus.CUTOFF)
+        ]
 
     def __getitem__(self, name: str) -> Any:
         if name not in self._names:
@@ -790,8 +800,8 @@ def plan_status(
         st = _State(StageRecord(name), plan_reads(pipeline, name, context))
         run.states[name] = st
         deps = pipeline.dependencies(name)
-        if any(run.states[d].record.status in ("dirty", "maybe") for d in deps):
-            st.record.status = "maybe"
+        if any(run.states[d].record.status in (StageStatus.DIRTY, StageStatus.MAYBE) for d in deps):
+            st.record.status = StageStatus.MAYBE
             st.record.reason = "depends on a dirty stage (reruns unless its output is unchanged)"
             continue
         key = run.compute_key(name)
@@ -799,11 +809,11 @@ def plan_status(
         manifest = cache.lookup(key, count=False) if cache is not None and key else None
         stale = run.stale_codecs(manifest) if manifest is not None else []
         if stale:
-            st.record.status, st.record.reason = "dirty", _stale_reason(stale)
+            st.record.status, st.record.reason = StageStatus.DIRTY, _stale_reason(stale)
             continue
         if manifest is not None:
-            st.record.status, st.record.digest = "hit", manifest["artifact"]["digest"]
+            st.record.status, st.record.digest = StageStatus.HIT, manifest["artifact"]["digest"]
             continue
-        st.record.status = "dirty"
+        st.record.status = StageStatus.DIRTY
         st.record.reason, st.record.changes = run._why(name, key, None)
     return RunReport(run_id, [run.states[n].record for n in run.order])
