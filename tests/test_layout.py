@@ -83,7 +83,10 @@ def test_engine_knows_no_torch_export_onnx_or_target() -> None:
 
 # Where a target's names may appear: its own package, the registry that lists the built-ins,
 # and the package's lazy re-exports.
-_TARGET_HOMES = {"qnn": ("targets/qnn/", "targets/registry.py", "__init__.py")}
+_TARGET_HOMES = {
+    "qnn": ("targets/qnn/", "targets/registry.py", "__init__.py"),
+    "executorch": ("targets/executorch/", "targets/registry.py", "__init__.py"),
+}
 
 
 def _code_strings_and_names(tree: ast.AST):
@@ -121,10 +124,12 @@ def test_no_target_names_outside_the_targets_own_package() -> None:
                 continue
             tree = ast.parse(path.read_text(), filename=str(path))
             for line, text in _code_strings_and_names(tree):
+                lower = text.lower()
                 if (
-                    text.lower() == target
-                    or text.lower().startswith(f"{target}_")
-                    or (text.startswith(target.capitalize()) or f"targets.{target}" in text)
+                    lower == target
+                    or lower.startswith((f"{target}_", f"{target}/", f"{target}:"))
+                    or (text[:1].isupper() and lower.startswith(target))  # QnnX, ExecuTorchX
+                    or f"targets.{target}" in text
                 ):
                     found.append(f"{rel}:{line}: {text!r}")
     assert not found, "target names outside their package:\n" + "\n".join(found)
