@@ -34,7 +34,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from graphbuild.errors import ConfigError
 from graphbuild.targets.base import STR, OptionType
-from graphbuild.targets.registry import DEFAULT_TARGET, get_target
+from graphbuild.targets.registry import DEFAULT_TARGET, all_targets, get_target
 
 __all__ = [
     "CONFIG_FILE",
@@ -68,7 +68,6 @@ _TOP: dict[str, OptionType] = {
     "calibration": STR,
     "target": STR,
     "format": STR,
-    "recipe": STR,
     "model_name": STR,
     "output_dir": STR,
     "cache_dir": STR,
@@ -77,6 +76,25 @@ _TOP: dict[str, OptionType] = {
 }
 _QUANTIZATION: dict[str, OptionType] = {"preset": STR, "quantizer": STR}
 _TABLES: dict[str, dict[str, OptionType]] = {"quantization": _QUANTIZATION}
+
+#: What belongs to the file's model: a model given on the command line (``--model``, or
+#: ``--set model=...``) drops these from the file unless they are given there too.
+_MODEL_KEYS = ("samples", "calibration", "model_name")
+
+
+def _top_keys() -> dict[str, OptionType]:
+    """The top-level keys: graphbuild's own, and the options that targets let a config file
+    set at its top level (``Target.top_level_options``; every target's, for a shared file)."""
+    keys = dict(_TOP)
+    for target in all_targets():
+        for key in target.top_level_options:
+            keys.setdefault(key, target.config_schema[key])
+    return keys
+
+
+def _option_targets(key: str) -> list[str]:
+    """The targets whose ``[options]`` know ``key``."""
+    return [t.name for t in all_targets() if key in t.config_schema]
 
 
 def _suggest(key: str, known: Iterable[str]) -> str:
@@ -95,10 +113,17 @@ def _describe(value: Any) -> str:
 def _validate(table: Mapping[str, Any], where: str) -> None:
     """Unknown keys and wrong types, each a ConfigError naming the key and its table. The
     ``[options]`` table is checked against the configured target's schema."""
+    top = _top_keys()
     for key, value in table.items():
-        if key not in _TOP:
-            raise ConfigError(f"{where}: unknown top-level key '{key}'{_suggest(key, _TOP)}")
-        _check_type(key, value, _TOP[key], where)
+        if key not in top:
+            owners = _option_targets(key)
+            if owners:
+                raise ConfigError(
+                    f"{where}: '{key}' is not a top-level key; it is an option of target(s) "
+                    f"{', '.join(owners)}: put it in [options] ({key} = ...)"
+                )
+            raise ConfigError(f"{where}: unknown top-level key '{key}'{_suggest(key, top)}")
+        _check_type(key, value, top[key], where)
         if key in _TABLES or key == "options":
             schema = _TABLES[key] if key != "options" else _target_schema(table, where)
             for sub, subvalue in value.items():
@@ -197,13 +222,16 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def _apply_override(table: dict[str, Any], key: str, value: Any) -> None:
     head, dot, tail = key.partition(".")
+    top = _top_keys()
+    if not dot and head not in top and _option_targets(head):
+        head, dot, tail = "options", ".", head  # unambiguous: no top-level key has its name
     if not dot:
-        if head not in _TOP:
-            raise ConfigError(f"--set: unknown top-level key '{head}'{_suggest(head, _TOP)}")
+        if head not in top:
+            raise ConfigError(f"--set: unknown top-level key '{head}'{_suggest(head, top)}")
         table[head] = value
         return
     if head not in _TABLES and head != "options":
-        known = [f"{t}.{k}" for t, schema in _TABLES.items() for k in schema] + list(_TOP)
+        known = [f"{t}.{k}" for t, schema in _TABLES.items() for k in schema] + list(top)
         raise ConfigError(f"--set: unknown key '{key}'{_suggest(key, known)}")
     schema = _TABLES.get(head)  # [options] is checked once the target is known (_validate)
     if schema is not None and tail not in schema:
@@ -221,7 +249,12 @@ def _apply_override(table: dict[str, Any], key: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class Config:
-    """A validated configuration. Paths are absolute; specs are imported on demand."""
+    """A validated configuration. Paths are absolute; specs are imported on demand.
+
+    ``options`` holds the configured target's options, those given at the top level of the
+    file (``Target.top_level_options``) included. ``dropped`` names the file's keys that
+    belonged to its model (``samples``, ``calibration``, ``model_name``) and were left out
+    because the command line named another model."""
 
     root: Path
     source: Path | None = None
@@ -236,7 +269,7 @@ class Config:
     preset: str | None = None
     quantizer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
-    recipe: str | None = None
+    dropped: tuple[str, ...] = ()
 
     @property
     def run_id(self) -> str:
@@ -306,14 +339,15 @@ class Config:
         """The configured quantizer: a preset name, a torchao Quantizer, or None."""
         target = get_target(self.target)
         if self.preset is not None and not target.presets and self.quantizer is None:
-            if self.recipe is not None and "recipe" in target.option_names():
-                return None  # the preset is another target's; this one has its recipe
+            own = target.quantization_option
+            if own is not None and self.options.get(own) is not None:
+                return None  # the preset is another target's; this one picks its own
             raise ConfigError(
                 f"{self.where}: target '{target.name}' has no quantization presets "
                 f"('{self.preset}' is another target's); "
                 + (
-                    'set recipe = "..." (see graphbuild targets)'
-                    if "recipe" in target.option_names()
+                    f'set {own} = "..." (see graphbuild targets)'
+                    if own is not None
                     else "set [quantization] quantizer instead"
                 )
             )
@@ -355,8 +389,6 @@ class Config:
                 options[key] = tuple(options[key])
         quantizer = self.quantizer_object()
         names = target.option_names()
-        if self.recipe is not None and "recipe" in names:  # other targets ignore it
-            options["recipe"] = self.recipe
         for key, value in (("quantizer", quantizer), ("calibration", calibration)):
             if key in names:
                 options[key] = value
@@ -407,13 +439,45 @@ def load_config(
         root = source.parent
     where = str(source) if source else "command line"
     _validate(table, where)
+    dropped = _drop_model_keys(table, pairs, root)
     for key, value in pairs:
         _apply_override(table, key, value)
     _validate(table, f"{where} (with --set)" if pairs else where)
-    return _build(table, root, source)
+    return _build(table, root, source, dropped)
 
 
-def _build(table: dict[str, Any], root: Path, source: Path | None) -> Config:
+def _drop_model_keys(table: dict[str, Any], pairs: list[Any], root: Path) -> tuple[str, ...]:
+    """When ``pairs`` name a model other than the file's, drop the file's keys that belong to
+    its model (its calibration batches would not fit another model) unless ``pairs`` give them
+    too; the names of the keys dropped."""
+    models = [value for key, value in pairs if key == "model"]
+    if not models or "model" not in table or _same_spec(models[-1], table["model"], root):
+        return ()
+    given = {key for key, _ in pairs}
+    dropped = tuple(k for k in _MODEL_KEYS if k in table and k not in given)
+    for key in dropped:
+        del table[key]
+    return dropped
+
+
+def _same_spec(override: Any, spec: Any, root: Path) -> bool:
+    """Whether two ``file.py:attr`` / ``module:attr`` specs name the same object (a file in
+    the config file relative to its directory, on the command line absolute)."""
+    if not isinstance(override, str) or not isinstance(spec, str):
+        return False
+
+    def normal(text: str) -> str:
+        target, _, attr = text.rpartition(":")
+        if _is_file(target) and "\0" not in target:
+            target = str((root / Path(target).expanduser()).resolve())
+        return f"{target}:{attr}"
+
+    return normal(override) == normal(spec)
+
+
+def _build(
+    table: dict[str, Any], root: Path, source: Path | None, dropped: tuple[str, ...] = ()
+) -> Config:
     where = str(source) if source else "command line"
     quant = table.get("quantization", {})
     if "preset" in quant and "quantizer" in quant:
@@ -430,12 +494,15 @@ def _build(table: dict[str, Any], root: Path, source: Path | None) -> Config:
     cache_dir = table.get("cache_dir")
     target = table.get("target", DEFAULT_TARGET)
     options = dict(table.get("options", {}))
-    recipe = table.get("recipe")
-    if recipe is not None and options.get("recipe", recipe) != recipe:
-        raise ConfigError(
-            f"{where}: 'recipe' and 'options.recipe' disagree ({recipe!r} and "
-            f"{options['recipe']!r}); keep one"
-        )
+    for key in get_target(target).top_level_options:  # other targets' top-level keys: ignored
+        if key not in table:
+            continue
+        if options.get(key, table[key]) != table[key]:
+            raise ConfigError(
+                f"{where}: '{key}' and 'options.{key}' disagree ({table[key]!r} and "
+                f"{options[key]!r}); keep one"
+            )
+        options[key] = table[key]
     return Config(
         root=root,
         source=source,
@@ -450,7 +517,7 @@ def _build(table: dict[str, Any], root: Path, source: Path | None) -> Config:
         preset=quant.get("preset"),
         quantizer=quant.get("quantizer"),
         options=options,
-        recipe=recipe,
+        dropped=dropped,
     )
 
 

@@ -359,3 +359,71 @@ def test_int32_bias_is_an_options_key_of_the_qnn_target(tmp_path):
     assert load_config(cwd=convnet_config(tmp_path).parent).export_options().int32_bias is None
     with pytest.raises(ConfigError, match="'options.int32_bias' must be true or false"):
         load_config(cwd=tmp_path, overrides=["options.int32_bias=1"])
+
+
+# --------------------------------------------------------------------------- a model override
+
+
+def test_a_model_override_drops_what_belonged_to_the_files_model(tmp_path):
+    path = convnet_config(tmp_path)
+    path.write_text('samples = "s.py:samples"\n' + path.read_text())
+    cfg = load_config(cwd=tmp_path, overrides=[("model", "/elsewhere/decoder.py:build")])
+    assert cfg.calibration is None and cfg.samples is None
+    assert cfg.model_name == "decoder"  # from the new model, not the file's "convnet"
+    assert cfg.dropped == ("samples", "calibration", "model_name")
+    assert cfg.preset == "w8a16"  # how to quantize is not the model's
+
+
+def test_a_model_override_keeps_what_the_command_line_gives_with_it(tmp_path):
+    convnet_config(tmp_path)
+    cfg = load_config(
+        cwd=tmp_path,
+        overrides=[("model", "/elsewhere/decoder.py:build"), "calibration=c.py:batches"],
+    )
+    assert cfg.calibration == "c.py:batches" and cfg.dropped == ("model_name",)
+
+
+def test_naming_the_files_own_model_again_drops_nothing(tmp_path):
+    convnet_config(tmp_path)
+    cfg = load_config(cwd=tmp_path, overrides=[("model", f"{CONVNET.as_posix()}:build")])
+    assert cfg.dropped == () and cfg.calibration is not None and cfg.model_name == "convnet"
+
+
+# --------------------------------------------------------------------------- target keys
+
+
+def test_a_targets_top_level_option_is_its_option_and_other_targets_ignore_it(tmp_path):
+    path = convnet_config(tmp_path)
+    path.write_text('recipe = "int8_dynamic"\n' + path.read_text())
+    assert "recipe" not in load_config(cwd=tmp_path).options  # qnn declares no recipe
+    et = load_config(cwd=tmp_path, overrides=["target=executorch"])
+    assert et.options["recipe"] == "int8_dynamic"
+
+
+def test_a_top_level_option_and_the_same_option_in_options_must_agree(tmp_path):
+    write(
+        tmp_path / "graphbuild.toml",
+        'model = "m.py:b"\ntarget = "executorch"\nrecipe = "fp32"\n[options]\nrecipe = "int8_static"\n',
+    )
+    with pytest.raises(ConfigError, match="'recipe' and 'options.recipe' disagree"):
+        load_config(cwd=tmp_path)
+
+
+def test_set_of_a_bare_option_name_goes_to_options(tmp_path):
+    convnet_config(tmp_path)
+    cfg = load_config(cwd=tmp_path, overrides=["target=executorch", "check_numerics=true"])
+    assert cfg.options["check_numerics"] is True
+    qnn = load_config(cwd=tmp_path, overrides=["opset=17"])
+    assert qnn.options["opset"] == 17
+
+
+def test_a_bare_option_name_in_the_file_points_to_options(tmp_path):
+    write(tmp_path / "graphbuild.toml", 'model = "m.py:b"\ncheck_numerics = true\n')
+    with pytest.raises(ConfigError, match=r"'check_numerics' is not a top-level key.*\[options\]"):
+        load_config(cwd=tmp_path)
+
+
+def test_a_bare_option_of_another_target_names_the_table_it_is_unknown_in(tmp_path):
+    convnet_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"unknown key 'opset' in \[options\]"):
+        load_config(cwd=tmp_path, overrides=["target=executorch", "opset=17"])

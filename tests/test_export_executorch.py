@@ -376,3 +376,26 @@ def test_cli_export_prints_the_delegation_and_puts_it_in_json(tmp_path, monkeypa
     doc = json.loads(CliRunner().invoke(app, ["export", "--json"]).stdout)
     assert doc["files"]["pte"].endswith("convnet.pte")
     assert doc["reports"]["delegation"]["delegated_ops"] > 0
+
+
+@pytest.mark.slow
+def test_cli_model_override_does_not_calibrate_on_the_files_model_batches(tmp_path, monkeypatch):
+    """The repo's graphbuild.toml calibrates the ConvNet; --model tiny_decoder must not feed
+    those image batches to the decoder's embedding."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from graphbuild.cli.app import app
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copy(root / "graphbuild.toml", tmp_path / "graphbuild.toml")
+    shutil.copytree(root / "examples", tmp_path / "examples")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GRAPHBUILD_CACHE_DIR", str(tmp_path / "cache"))
+    args = ["export", "--target", "executorch", "--model", "examples/tiny_decoder.py:build"]
+    result = CliRunner().invoke(app, [*args, "--set", "recipe=xnnpack_int8_static"])
+    assert result.exit_code == 0, result.output
+    assert "its calibration, model_name are not used" in result.stderr
+    assert "falls back to the sample inputs" in result.stderr
+    assert (tmp_path / "graphbuild-out" / "tiny_decoder.pte").is_file()

@@ -108,7 +108,19 @@ def load_cli_config(
             overrides.append((key, value))
     if output_dir is not None:
         overrides.append(("output_dir", str((cwd / output_dir.expanduser()).resolve())))
-    return load_config(config, cwd, overrides, required=required)
+    cfg = load_config(config, cwd, overrides, required=required)
+    if cfg.dropped:
+        typer.echo(
+            f"note: --model replaces the model of {cfg.where}, so its "
+            f"{', '.join(cfg.dropped)} {'is' if len(cfg.dropped) == 1 else 'are'} not used"
+            + (
+                "; calibration falls back to the sample inputs (--set calibration=FILE.py:fn)"
+                if "calibration" in cfg.dropped
+                else ""
+            ),
+            err=True,
+        )
+    return cfg
 
 
 def absolute_spec(spec: str, cwd: Path) -> str:

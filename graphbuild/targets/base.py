@@ -111,6 +111,12 @@ class Target:
     (one key per option, which stages declare as ``ctx.<name>`` reads). ``config_schema`` names
     the keys a config file's ``[options]`` table may set for this target. ``presets`` are the
     quantizer preset names the target registers, known without importing its quantizers.
+
+    ``top_level_options`` are schema keys a config file may also set at its top level, beside
+    ``model`` (executorch: ``recipe``), so that one file serves several targets: a target that
+    does not declare such a key ignores it. ``quantization_option`` names the option that picks
+    this target's quantization in place of a ``[quantization]`` preset; when it is set, a
+    preset meant for another target is ignored rather than refused.
     """
 
     name: str
@@ -120,12 +126,20 @@ class Target:
     build_pipeline: PipelineBuilder
     config_schema: Mapping[str, OptionType] = field(default_factory=dict)
     presets: tuple[str, ...] = ()
+    top_level_options: tuple[str, ...] = ()
+    quantization_option: str | None = None
 
     def __post_init__(self) -> None:
         if not self.formats:
             raise ConfigError(f"target '{self.name}' declares no formats")
         if not is_dataclass(self.options_type):
             raise ConfigError(f"target '{self.name}': options_type must be a dataclass")
+        names = self.option_names()
+        for key in (*self.top_level_options, *filter(None, [self.quantization_option])):
+            if key not in self.config_schema or key not in names:
+                raise ConfigError(
+                    f"target '{self.name}': '{key}' must be an option in its config_schema"
+                )
 
     @property
     def default_format(self) -> str:

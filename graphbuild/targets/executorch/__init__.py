@@ -27,6 +27,8 @@ TARGET = Target(
     options_type=ExecuTorchOptions,
     build_pipeline=build_executorch_pipeline,
     config_schema=CONFIG_SCHEMA,
+    top_level_options=("recipe",),  # recipe = "..." beside model, in a file shared with qnn
+    quantization_option="recipe",
 )
 
 __all__ = ["FORMATS", "RECIPES", "TARGET", "ExecuTorchOptions", "build_executorch_pipeline"]
