@@ -353,6 +353,7 @@ def test_targets_lists_every_target_with_its_formats_and_options():
     assert "opset" in doc["qnn"]["options"] and "w8a16" in doc["qnn"]["presets"]
     assert doc["executorch"]["formats"][0] == "xnnpack"
     assert "recipe" in doc["executorch"]["options"]
+    assert doc["executorch"]["top_level"] == ["recipe"] and doc["qnn"]["top_level"] == []
     text = invoke("targets").stdout
     assert "qnn:" in text and "executorch:" in text
     assert "formats: xnnpack, portable, vgf (default xnnpack)" in text

@@ -124,6 +124,7 @@ def targets(as_json: JsonOpt = False) -> None:
                         "default_format": t.default_format,
                         "description": t.description,
                         "options": list(t.config_schema),
+                        "top_level": list(t.top_level_options),
                         "presets": list(t.presets),
                     }
                     for t in found
@@ -135,5 +136,7 @@ def targets(as_json: JsonOpt = False) -> None:
         typer.echo(f"{t.name}: {t.description}")
         typer.echo(f"  formats: {', '.join(t.formats)} (default {t.default_format})")
         typer.echo(f"  [options]: {', '.join(t.config_schema) or 'none'}")
+        if t.top_level_options:
+            typer.echo(f"  also at the top level: {', '.join(t.top_level_options)}")
         if t.presets:
             typer.echo(f"  presets: {', '.join(t.presets)}")
