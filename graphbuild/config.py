@@ -241,6 +241,12 @@ def _apply_override(table: dict[str, Any], key: str, value: Any) -> None:
         raise ConfigError(f"'{head}' must be {_TABLE.label}, got {_describe(sub)}")
     if head == "quantization":  # a preset on the command line replaces a configured quantizer
         sub.pop("quantizer" if tail == "preset" else "preset", None)
+    option, dot, entry = tail.partition(".")
+    if head == "options" and dot:  # options.methods.encode=...: one entry of a table option
+        sub = sub.setdefault(option, {})
+        if not isinstance(sub, dict):
+            raise ConfigError(f"--set {key}: 'options.{option}' is not a table")
+        tail = entry
     sub[tail] = value
 
 
@@ -335,6 +341,12 @@ class Config:
         obj = _resolve(spec, self.root, key)
         return _call(obj, spec, key) if callable(obj) else obj
 
+    def _imported(self, value: str | Mapping[str, str], key: str) -> Any:
+        """What an ``imports`` option names: one spec's object, or a table of them."""
+        if isinstance(value, str):
+            return self._value(value, key)
+        return {name: self._value(spec, f"{key}.{name}") for name, spec in value.items()}
+
     def quantizer_object(self) -> Any:
         """The configured quantizer: a preset name, a torchao Quantizer, or None."""
         target = get_target(self.target)
@@ -384,6 +396,10 @@ class Config:
         ``[options]``, the quantizer and the calibration batches."""
         target = get_target(self.target)
         options = dict(self.options)
+        for key, value in options.items():
+            kind = target.config_schema.get(key)
+            if kind is not None and kind.imports:
+                options[key] = self._imported(value, f"options.{key}")
         for key in ("input_names", "output_names"):
             if options.get(key) is not None:
                 options[key] = tuple(options[key])

@@ -399,3 +399,127 @@ def test_cli_model_override_does_not_calibrate_on_the_files_model_batches(tmp_pa
     assert "its calibration, model_name are not used" in result.stderr
     assert "falls back to the sample inputs" in result.stderr
     assert (tmp_path / "graphbuild-out" / "tiny_decoder.pte").is_file()
+
+
+# --------------------------------------------------------------------------- methods in config
+
+_TWO_HEADS_MODULE = """\
+import torch
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+    def encode(self, x):
+        return torch.relu(self.body(x))
+
+
+def build():
+    torch.manual_seed(0)
+    return TwoHeads().eval(), (torch.randn(2, 8),)
+
+
+def encode_samples():
+    return (torch.ones(3, 8),)
+
+
+def methods():
+    return {"encode": encode_samples()}
+
+
+def not_a_table():
+    return [encode_samples()]
+"""
+
+
+def _two_heads_project(directory: Path, options: str) -> Path:
+    (directory / "two_heads.py").write_text(_TWO_HEADS_MODULE)
+    (directory / "graphbuild.toml").write_text(
+        'model = "two_heads.py:build"\ntarget = "executorch"\n' + options
+    )
+    return directory
+
+
+def test_methods_and_constant_methods_from_a_config_file_reach_the_pte(tmp_path, monkeypatch):
+    from executorch.runtime import Runtime
+    from typer.testing import CliRunner
+
+    from graphbuild.cli.app import app
+
+    _two_heads_project(
+        tmp_path,
+        '[options.methods]\nencode = "two_heads.py:encode_samples"\n'
+        '[options.constant_methods]\nmax_batch = 3\nlabels = ["cat", "dog"]\n',
+    )
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["export", "--no-cache"])
+    assert result.exit_code == 0, result.output
+    program = Runtime.get().load_program(
+        (tmp_path / "graphbuild-out" / "two_heads.pte").read_bytes()
+    )
+    assert set(program.method_names) == {"forward", "encode", "max_batch", "labels"}
+    assert program.load_method("max_batch").execute([])[0] == 3
+    assert list(program.load_method("labels").execute([])) == ["cat", "dog"]
+    model, _ = _load_module(tmp_path / "two_heads.py").build()
+    x = torch.ones(3, 8)
+    with torch.no_grad():
+        expected = model.encode(x)
+    encoded = program.load_method("encode").execute([x])[0]
+    torch.testing.assert_close(encoded, expected, atol=1e-5, rtol=1e-4)
+
+
+def _load_module(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("two_heads_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_methods_as_one_factory_returning_a_table(tmp_path):
+    from graphbuild.config import load_config
+
+    _two_heads_project(tmp_path, '[options]\nmethods = "two_heads.py:methods"\n')
+    options = load_config(cwd=tmp_path).export_options()
+    assert list(options.methods) == ["encode"]
+    torch.testing.assert_close(options.methods["encode"][0], torch.ones(3, 8))
+
+
+def test_methods_and_constants_by_set(tmp_path):
+    from graphbuild.config import load_config
+
+    _two_heads_project(tmp_path, "")
+    sets = [
+        "options.methods.encode=two_heads.py:encode_samples",
+        "options.constant_methods.max_batch=4",
+        'options.dynamic_dims=[{"0" = ["batch", 1, 8]}]',
+    ]
+    options = load_config(cwd=tmp_path, overrides=sets).export_options()
+    assert list(options.methods) == ["encode"] and options.constant_methods == {"max_batch": 4}
+    assert options.to_context()["dynamic_dims"] == [[[0, "batch", 1, 8]]]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ("[options.constant_methods]\nwhen = 1979-05-27\n", "must be a table of method = value"),
+        ("[options]\nconstant_methods = 3\n", "must be a table of method = value"),
+        ("[options]\nmethods = 3\n", "'options.methods' must be a 'file.py:fn' spec"),
+        ('[options]\nmethods = "two_heads.py:not_a_table"\n', "methods must map method names"),
+        ('[options.methods]\nencode = "two_heads.py:nowhere"\n', "options.methods.encode"),
+        ("[options.constant_methods]\nforward = 1\n", "identifier other than 'forward'"),
+    ],
+)
+def test_bad_methods_in_a_config_file_are_config_errors(tmp_path, options, message):
+    from graphbuild.config import load_config
+
+    _two_heads_project(tmp_path, options)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(cwd=tmp_path).export_options()

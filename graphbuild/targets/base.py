@@ -26,6 +26,7 @@ __all__ = [
     "BOOL",
     "INT",
     "STR",
+    "SPECS",
     "STRS",
     "OptionType",
     "PipelineBuilder",
@@ -38,10 +39,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class OptionType:
-    """The type a config value must have: a check, and how to say it in an error message."""
+    """The type a config value must have: a check, and how to say it in an error message.
+
+    ``imports``: the value names Python objects, as ``model`` does (``"file.py:name"`` or
+    ``"package.module:name"``), either one spec or a table of them; the config imports each
+    (calling it when it is a factory) and the option receives the result, or the table of
+    results."""
 
     label: str
     check: Callable[[Any], bool]
+    imports: bool = False
 
     def accepts(self, value: Any) -> bool:
         return bool(self.check(value))
@@ -52,6 +59,13 @@ INT = OptionType("an integer", lambda v: isinstance(v, int) and not isinstance(v
 BOOL = OptionType("true or false", lambda v: isinstance(v, bool))
 STRS = OptionType(
     "a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)
+)
+SPECS = OptionType(
+    "a 'file.py:name' spec, or a table of them",
+    lambda v: (
+        isinstance(v, str) or (isinstance(v, dict) and all(isinstance(x, str) for x in v.values()))
+    ),
+    imports=True,
 )
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from graphbuild.errors import ConfigError
-from graphbuild.targets.base import BOOL, STR, OptionType
+from graphbuild.targets.base import BOOL, SPECS, STR, OptionType
 
 #: ``xnnpack``: XNNPACK-delegated program (CPU, Arm and x86); ``portable``: ExecuTorch's
 #: portable kernels only (no delegate); ``vgf``: Arm's VGF flow (needs the Arm tools).
@@ -40,7 +40,8 @@ class ExecuTorchOptions:
     ``constant_methods`` maps names to values the program returns as they are (ExecuTorch's
     constant methods, e.g. ``{"max_seq_len": 128}``). ``dynamic_dims`` makes dimensions of
     ``forward``'s inputs dynamic: one entry per positional input, None or ``{dim: [name, min,
-    max]}``; dimensions sharing a name are equal.
+    max]}``; dimensions sharing a name are equal. A config file gives all three in
+    ``[options]`` (see ``CONFIG_SCHEMA``).
     """
 
     recipe: str = "fp32"
@@ -61,6 +62,14 @@ class ExecuTorchOptions:
             raise ConfigError(
                 f"unknown ExecuTorch recipe '{self.recipe}'; known: {', '.join(RECIPES)}"
             )
+        for key in ("methods", "constant_methods"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, Mapping):
+                raise ConfigError(
+                    f"{key} must map method names to "
+                    + ("sample inputs" if key == "methods" else "values")
+                    + f", got {type(value).__name__}"
+                )
         for name in (*(self.methods or {}), *(self.constant_methods or {})):
             if not isinstance(name, str) or not name.isidentifier() or name == "forward":
                 raise ConfigError(
@@ -112,12 +121,36 @@ def canonical_dims(spec: Sequence[Any]) -> list[list[list[Any]] | None]:
     return out
 
 
+def _constant(value: Any) -> bool:
+    """A value ExecuTorch can return from a constant method: a boolean, number or string, or
+    a list or table of them (what TOML gives, less its dates and times)."""
+    if isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, list):
+        return all(_constant(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _constant(v) for k, v in value.items())
+    return False
+
+
 #: What a config file's ``[options]`` table (and ``--set``) may set for the executorch target.
+#: ``methods`` is a spec of a factory returning ``{method: sample inputs}``, or a table of
+#: ``method = "file.py:fn"`` specs of each method's sample inputs (imported like ``model``);
+#: ``constant_methods`` a table of the values themselves.
 CONFIG_SCHEMA: dict[str, OptionType] = {
     "recipe": STR,
     "check_numerics": BOOL,
     "dynamic_dims": OptionType(
         "a list with one entry per input: {} or {dim = [name, min, max]}",
         lambda v: isinstance(v, list) and all(isinstance(e, dict) for e in v),
+    ),
+    "methods": replace(
+        SPECS,
+        label="a 'file.py:fn' spec returning {method: sample inputs}, or a table of "
+        "method = 'file.py:fn' specs of each method's sample inputs",
+    ),
+    "constant_methods": OptionType(
+        "a table of method = value (booleans, numbers, strings, lists and tables of them)",
+        lambda v: isinstance(v, dict) and _constant(v),
     ),
 }
