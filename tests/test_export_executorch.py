@@ -87,6 +87,11 @@ def test_int8_static_recipe_calibrates_and_stays_close_to_the_float_model(tmp_pa
     noise = (out - ref).pow(2).sum() / ref.pow(2).sum()
     assert float(10 * torch.log10(1 / noise)) > 20  # int8 against float: close, not equal
     assert (out - ref).abs().max() > 0
+    numerics = art.report.extra["numerics"]
+    (row,) = numerics["outputs"]
+    assert numerics["reference"] == "quantized program"  # the figures above
+    assert row["sqnr_db_vs_float"] == pytest.approx(float(10 * torch.log10(1 / noise)), abs=0.01)
+    assert row["max_abs_error_vs_float"] == pytest.approx(float((out - ref).abs().max()))
 
 
 def test_int8_dynamic_recipe_exports_and_runs(tmp_path, cache):
@@ -523,3 +528,177 @@ def test_bad_methods_in_a_config_file_are_config_errors(tmp_path, options, messa
     _two_heads_project(tmp_path, options)
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(cwd=tmp_path).export_options()
+
+
+# --------------------------------------------------------------------------- torchao recipes
+
+
+class _Mlp(torch.nn.Module):
+    """Linear layers whose input channels groups of 32 divide, and one they do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(64, 96)
+        self.down = torch.nn.Linear(96, 24)
+        self.odd = torch.nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.odd(torch.relu(self.down(torch.relu(self.up(x)))))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return _Mlp().eval(), (torch.randn(4, 64),)
+
+
+def _eager_transformed(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
+    from graphbuild.targets.executorch.recipes import apply_source_transform
+
+    transformed = copy.deepcopy(model)
+    apply_source_transform(transformed, recipe)
+    return transformed
+
+
+def _sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    noise = (reference - actual).pow(2).sum()
+    return float(10 * torch.log10(reference.pow(2).sum() / noise))
+
+
+@pytest.mark.parametrize(
+    "recipe", ["int8da_int4w", "xnnpack_torchao_int8da_int4w_per_channel", "int8da_int8w"]
+)
+def test_torchao_recipe_runs_in_the_runtime_like_torchaos_eager_model(tmp_path, recipe):
+    model, samples = _mlp()
+    art = export(model, samples, tmp_path, gb.Cache(tmp_path / "c"), recipe=recipe)
+    out = run_pte((tmp_path / "model.pte").read_bytes(), samples)[0]
+    with torch.no_grad():
+        eager = _eager_transformed(model, recipe)(*samples)
+        floats = model(*samples)
+    assert _sqnr(eager, out) > 35  # what torchao's quantize_ computes, up to kernel rounding
+    numerics = art.report.extra["numerics"]
+    assert numerics["reference"] == "quantized program"
+    (row,) = numerics["outputs"]
+    assert row["sqnr_db"] > 35
+    assert 15 < row["sqnr_db_vs_float"] < row["sqnr_db"]  # the quantization error, reported
+    assert row["max_abs_error_vs_float"] == pytest.approx(float((out - floats).abs().max()))
+
+
+def test_int4_groupwise_linears_go_to_xnnpacks_dynamic_linear_and_odd_ones_stay_float(tmp_path):
+    model, samples = _mlp()
+    art = export(model, samples, tmp_path, False, recipe="int8da_int4w", check_numerics=False)
+    ops = art.report.extra["delegation"]["ops"]
+    assert ops["aten_linear_default"] == {"delegated": 3, "portable": 0}
+    # up and down take int8 activations quantized at run time; odd (24 inputs) stays float
+    assert ops["torchao_choose_qparams_affine_default"] == {"delegated": 2, "portable": 0}
+    quantized = _eager_transformed(model, "int8da_int4w")
+    weights = dict(quantized.named_parameters())
+    assert weights["up.parametrizations.weight.original0"].dtype == torch.int8
+    assert weights["up.parametrizations.weight.original0"].min() >= -8
+    assert weights["up.parametrizations.weight.original0"].max() <= 7
+    assert weights["up.parametrizations.weight.original1"].shape == (96, 2)  # 64 / 32 groups
+    assert "odd.weight" in weights
+
+
+def test_torchao_recipe_weights_change_requantizes_without_a_retrace(tmp_path):
+    model, samples = _mlp()
+    cache = gb.Cache(tmp_path / "c")
+    export(model, samples, tmp_path, cache, recipe="int8da_int4w")
+    with torch.no_grad():
+        model.up.weight.mul_(-0.5)
+    art = export(model, samples, tmp_path, cache, recipe="int8da_int4w")
+    assert art.report.statuses["capture_transformed"] == "hit"
+    assert {"quantize", "lower", "pte", "float_reference"} <= ran(art)
+    out = run_pte((tmp_path / "model.pte").read_bytes(), samples)[0]
+    with torch.no_grad():
+        assert _sqnr(_eager_transformed(model, "int8da_int4w")(*samples), out) > 35
+
+
+def test_torchao_recipe_graph_does_not_depend_on_the_weights(tmp_path):
+    """capture_transformed reads structure only: recomputing it for other weights must give
+    the cached program (--check-fingerprints)."""
+    model, samples = _mlp()
+    cache = gb.Cache(tmp_path / "c")
+    export(model, samples, tmp_path, cache, recipe="int8da_int4w", check_numerics=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    art = gb.export(
+        model,
+        samples,
+        tmp_path,
+        "model",
+        target="executorch",
+        options={"recipe": "int8da_int4w"},
+        cache=cache,
+        check_fingerprints=True,
+    )
+    assert art.report.statuses["capture_transformed"] == "hit"
+
+
+def test_torchao_recipe_with_methods_quantizes_every_method(tmp_path):
+    from executorch.runtime import Runtime
+
+    class _Encoder(_Mlp):
+        def encode(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.relu(self.up(x)))
+
+    torch.manual_seed(0)
+    model, samples = _Encoder().eval(), (torch.randn(4, 64),)
+    x = torch.randn(2, 64)
+    export(model, samples, tmp_path, False, recipe="int8da_int4w", methods={"encode": (x,)})
+    program = Runtime.get().load_program((tmp_path / "model.pte").read_bytes())
+    encoded = program.load_method("encode").execute([x])[0]
+    with torch.no_grad():
+        assert _sqnr(_eager_transformed(model, "int8da_int4w").encode(x), encoded) > 35
+
+
+def test_torchao_recipe_is_refused_for_other_formats(tmp_path):
+    model, samples = _mlp()
+    with pytest.raises(ConfigError, match="lowers through XNNPACK only"):
+        export(model, samples, tmp_path, False, fmt="portable", recipe="int8da_int4w")
+
+
+@pytest.mark.parametrize("recipe", ["int4_weight_only", "int8_weight_only"])
+def test_weight_only_recipes_say_why_not_and_what_instead(recipe):
+    from graphbuild.targets.executorch import ExecuTorchOptions
+
+    with pytest.raises(ConfigError, match="does not lower in ExecuTorch 1.4.*use int8da_int4w"):
+        ExecuTorchOptions(recipe=recipe)
+
+
+def test_a_pt2e_quantizer_with_a_torchao_recipe_is_refused():
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import XNNPACKQuantizer
+
+    from graphbuild.targets.executorch import ExecuTorchOptions
+
+    with pytest.raises(ConfigError, match="torchao's quantize_"):
+        ExecuTorchOptions(recipe="int8da_int4w", quantizer=XNNPACKQuantizer())
+
+
+@pytest.mark.slow
+def test_tiny_decoder_int8da_int4w_runs_in_the_runtime(tmp_path, cache):
+    model, samples = tiny_decoder.build()
+    art = export(model, samples, tmp_path, cache, recipe="int8da_int4w")
+    (row,) = art.report.extra["numerics"]["outputs"]
+    assert row["sqnr_db"] > 35 and row["sqnr_db_vs_float"] > 15
+
+
+def test_cli_numerics_line_names_both_references_under_a_quantizing_recipe():
+    from graphbuild.cli.export import _report_lines
+
+    report = {
+        "reference": "quantized program",
+        "outputs": [
+            {
+                "name": "output_0",
+                "sqnr_db": float("inf"),
+                "max_abs_error": 0.0,
+                "sqnr_db_vs_float": 31.25,
+                "max_abs_error_vs_float": 0.0123,
+            }
+        ],
+    }
+    assert _report_lines({"numerics": report}) == [
+        "numerics   output_0: SQNR inf dB, max abs error 0 against the quantized program; "
+        "SQNR 31.2 dB, max abs error 0.0123 against the float model"
+    ]

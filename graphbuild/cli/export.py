@@ -186,9 +186,18 @@ def _report_lines(extra: Mapping[str, Any]) -> list[str]:
         )
     numerics = extra.get("numerics")
     if isinstance(numerics, Mapping):
+        against = numerics.get("reference")
         for out in numerics.get("outputs", []):
-            lines.append(
-                f"numerics   {out.get('name')}: SQNR {out.get('sqnr_db', float('nan')):.1f} dB, "
-                f"max abs error {out.get('max_abs_error', float('nan')):.3g}"
-            )
+            line = f"numerics   {out.get('name')}: {_errors(out)}"
+            if against:
+                line += f" against the {against}"
+            if "sqnr_db_vs_float" in out:
+                line += f"; {_errors(out, '_vs_float')} against the float model"
+            lines.append(line)
     return lines
+
+
+def _errors(out: Mapping[str, Any], suffix: str = "") -> str:
+    sqnr = out.get(f"sqnr_db{suffix}", float("nan"))
+    error = out.get(f"max_abs_error{suffix}", float("nan"))
+    return f"SQNR {sqnr:.1f} dB, max abs error {error:.3g}"

@@ -18,13 +18,22 @@ CPU, so a cache filled on a workstation serves a GPU box and the other way round
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["HostState", "host_state", "model_device", "model_tensors", "on_cpu", "to_device"]
+__all__ = [
+    "HostState",
+    "host_copy",
+    "host_state",
+    "model_device",
+    "model_tensors",
+    "on_cpu",
+    "to_device",
+]
 
 
 def to_device(tree: Any, device: torch.device | str) -> Any:
@@ -74,6 +83,26 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def host_state(model: torch.nn.Module) -> HostState:
     """The model's parameters and buffers by name, read as CPU tensors."""
     return HostState(model_tensors(model))
+
+
+def host_copy(model: torch.nn.Module, values: bool = True) -> torch.nn.Module:
+    """A copy of ``model``'s module tree for a stage to transform (torchao's ``quantize_``
+    rebinds parameters), whose parameters and buffers are CPU tensors: the model's own memory
+    where it is on the CPU (a transform replaces tensors, it does not write into them), a host
+    copy otherwise; with ``values=False``, zeros of the same shape and dtype (for tracing, which
+    reads no values). Tied tensors stay tied."""
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) in memo:
+            continue
+        if values:
+            host = tensor.detach() if tensor.device.type == "cpu" else tensor.detach().cpu()
+        else:
+            host = torch.zeros(tensor.shape, dtype=tensor.dtype)
+        if isinstance(tensor, torch.nn.Parameter):
+            host = torch.nn.Parameter(host, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = host
+    return copy.deepcopy(model, memo)
 
 
 @contextmanager

@@ -13,15 +13,85 @@ from graphbuild.targets.base import BOOL, SPECS, STR, OptionType
 #: portable kernels only (no delegate); ``vgf``: Arm's VGF flow (needs the Arm tools).
 FORMATS = ("xnnpack", "portable", "vgf")
 
-#: Recipe name -> what it does. ``fp32`` lowers the float model; the others quantize it first
-#: with the format's PT2E quantizer (symmetric int8 weights, per output channel).
-RECIPES: dict[str, str] = {
-    "fp32": "float32, no quantization",
-    "int8_static": "int8 weights per channel and activations per tensor, calibrated, with the "
-    "format's quantizer (XNNPACK's, or Arm's for vgf)",
-    "int8_dynamic": "int8 weights per channel, activations quantized at run time",
-    "xnnpack_int8_static": "int8_static, as ExecuTorch's XNNPACK recipe names it",
-    "xnnpack_int8_dynamic": "int8_dynamic, as ExecuTorch's XNNPACK recipe names it",
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a recipe does.
+
+    ``scheme``: ``float`` (no quantization); ``pt2e`` (the format's PT2E quantizer on the
+    captured program: symmetric int8 weights, per output channel unless ``per_channel`` is
+    false, activations calibrated or, ``dynamic``, quantized at run time); ``source`` (torchao's
+    ``quantize_`` on the model's ``nn.Linear`` layers, a source transform: ``weight_bits``
+    weights per output channel, or in groups of ``group_size`` input channels, with int8
+    activations quantized at run time, which XNNPACK runs as its dynamically quantized linear).
+    """
+
+    description: str
+    scheme: str = "float"
+    dynamic: bool = False
+    per_channel: bool = True
+    weight_bits: int = 8
+    group_size: int | None = None
+
+
+_INT8_STATIC = Recipe(
+    "int8 weights per channel and activations per tensor, calibrated, with the format's "
+    "quantizer (XNNPACK's, or Arm's for vgf)",
+    "pt2e",
+)
+_INT8_DYNAMIC = Recipe(
+    "int8 weights per channel, activations quantized at run time", "pt2e", dynamic=True
+)
+_INT8DA_INT4W = Recipe(
+    "int4 weights in groups of 32 input channels and int8 activations quantized at run time "
+    "(torchao quantize_ on nn.Linear, a source transform; XNNPACK's dynamic int4 linear)",
+    "source",
+    dynamic=True,
+    weight_bits=4,
+    group_size=32,
+)
+_INT8DA_INT4W_PER_CHANNEL = Recipe(
+    "int4 weights per output channel, int8 activations quantized at run time (torchao "
+    "quantize_ on nn.Linear)",
+    "source",
+    dynamic=True,
+    weight_bits=4,
+)
+
+#: Recipe name -> what it does. The ``xnnpack_*`` names are ExecuTorch 1.4's own recipe names
+#: (``XNNPackRecipeType``) for the same schemes.
+RECIPES: dict[str, Recipe] = {
+    "fp32": Recipe("float32, no quantization"),
+    "int8_static": _INT8_STATIC,
+    "int8_dynamic": _INT8_DYNAMIC,
+    "int8da_int4w": _INT8DA_INT4W,
+    "int8da_int4w_per_channel": _INT8DA_INT4W_PER_CHANNEL,
+    "int8da_int8w": Recipe(
+        "int8 weights per output channel, int8 activations quantized at run time (torchao "
+        "quantize_ on nn.Linear)",
+        "source",
+        dynamic=True,
+    ),
+    "xnnpack_int8_static": _INT8_STATIC,
+    "xnnpack_int8_dynamic": _INT8_DYNAMIC,
+    "xnnpack_fp32": Recipe("float32, no quantization"),
+    "xnnpack_pt2e_int8_static_per_channel": _INT8_STATIC,
+    "xnnpack_pt2e_int8_static_per_tensor": Recipe(
+        "int8 weights and activations per tensor, calibrated", "pt2e", per_channel=False
+    ),
+    "xnnpack_pt2e_int8_dynamic_per_channel": _INT8_DYNAMIC,
+    "xnnpack_torchao_int8da_int4w_per_channel": _INT8DA_INT4W_PER_CHANNEL,
+    # ExecuTorch's name; its weights are in groups of 32, as int8da_int4w's
+    "xnnpack_torchao_int8da_int4w_per_tensor": _INT8DA_INT4W,
+}
+
+#: Names that read like recipes but cannot lower: why, and what to use instead.
+NOT_RECIPES: dict[str, str] = {
+    name: "weight-only quantization does not lower in ExecuTorch 1.4: XNNPACK runs quantized "
+    "linear layers only with int8 activations quantized at run time, and the portable kernels "
+    "have no torchao::dequantize_affine; use int8da_int4w (int4 weights in groups of 32) or "
+    "int8da_int8w"
+    for name in ("int4_weight_only", "int8_weight_only", "int4wo", "int8wo")
 }
 
 
@@ -58,9 +128,16 @@ class ExecuTorchOptions:
                 f"the executorch target takes no quantizer preset ('{self.quantizer}'): pick a "
                 f"recipe ({', '.join(RECIPES)}) or pass a torchao PT2E Quantizer"
             )
+        if self.recipe in NOT_RECIPES:
+            raise ConfigError(f"recipe '{self.recipe}': {NOT_RECIPES[self.recipe]}")
         if self.recipe not in RECIPES:
             raise ConfigError(
                 f"unknown ExecuTorch recipe '{self.recipe}'; known: {', '.join(RECIPES)}"
+            )
+        if self.quantizer is not None and self.source_transform:
+            raise ConfigError(
+                f"recipe '{self.recipe}' quantizes with torchao's quantize_ (a source "
+                "transform); a PT2E quantizer replaces a pt2e recipe only: give one of them"
             )
         for key in ("methods", "constant_methods"):
             value = getattr(self, key)
@@ -83,7 +160,12 @@ class ExecuTorchOptions:
 
     @property
     def quantized(self) -> bool:
-        return self.quantizer is not None or self.recipe != "fp32"
+        return self.quantizer is not None or RECIPES[self.recipe].scheme != "float"
+
+    @property
+    def source_transform(self) -> bool:
+        """Whether the recipe quantizes the model with torchao's ``quantize_``."""
+        return RECIPES[self.recipe].scheme == "source"
 
     def to_context(self) -> dict[str, Any]:
         ctx = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -4,7 +4,8 @@
 
     capture ---------+-> [quantize] -> lower -> pte
     [capture_methods]+        |           +---> delegation
-                              +-> reference -> check_numerics (with the pte)
+                              +-> reference -> check_numerics (with the pte
+                                  [float_reference] -+       and the float model's outputs)
 
 ``capture`` is the front end's shared stage: the same cache entry as the QNN target's for the
 same model and sample spec (with ``dynamic_dims`` it also reads them). ``capture_methods``
@@ -12,6 +13,13 @@ traces the other methods of a multi-method program. ``quantize`` runs the recipe
 quantizer (values enter there); without one, ``lower`` reads the model's weights itself. A
 weights-only change reruns ``quantize`` (or ``lower``), never a capture; a recipe change reruns
 from ``quantize``.
+
+A torchao recipe (``int8da_int4w`` ...) transforms the model's source rather than the captured
+graph, so it traces the transformed model in its own ``capture_transformed`` (every method,
+on a zero-valued copy: structure only, keyed like a capture plus the recipe) and ``quantize``
+runs the transform on the real weights and puts the results into those programs by name::
+
+    capture_transformed -> quantize -> lower -> pte ...
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.errors import ConfigError
 from graphbuild.frontend.capture import as_args, capture, capture_program
-from graphbuild.frontend.devices import host_state
+from graphbuild.frontend.devices import host_copy, host_state, model_tensors
 from graphbuild.frontend.programs import (
     ProgramArtifact,
     with_state,
@@ -85,6 +93,41 @@ def capture_methods(model: torch.nn.Module, samples: Any, context: Any) -> tuple
             raise ConfigError(f"the model has no method '{name}' (options.methods)")
         programs.append(capture_program(_Method(model, name), as_args(args)))
     return tuple(programs)
+
+
+def capture_transformed(model: torch.nn.Module, samples: Any, context: Any) -> tuple:
+    """Every method of the model as transformed by the torchao recipe, traced: one
+    structure-only program per method, ``forward`` first. The transform runs on a copy whose
+    weights are zeros: the traced graph does not depend on the weights' values (``quantize``
+    computes those), only on the structure and the recipe."""
+    from graphbuild.targets.executorch.recipes import apply_source_transform
+
+    transformed = host_copy(model, values=False)
+    apply_source_transform(transformed, context["recipe"])
+    dims = context["dynamic_dims"]
+    shapes = _dynamic_shapes(dims, len(as_args(samples))) if dims is not None else None
+    programs = [capture_program(transformed, samples, dynamic_shapes=shapes)]
+    for name, args in (context["methods"] or {}).items():
+        if not callable(getattr(transformed, name, None)):
+            raise ConfigError(f"the model has no method '{name}' (options.methods)")
+        programs.append(capture_program(_Method(transformed, name), as_args(args)))
+    return tuple(programs)
+
+
+def quantize_source(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """The torchao recipe on the model's weights (a CPU copy of the module tree; the model is
+    not touched), its quantized tensors put into every transformed program by name."""
+    from graphbuild.targets.executorch.recipes import apply_source_transform
+
+    ((forward, *methods),) = inputs
+    transformed = host_copy(context.input)
+    apply_source_transform(transformed, context["recipe"])
+    state = model_tensors(transformed)
+    out = [ProgramArtifact(with_state(forward.program, state), True)]
+    for program in methods:
+        method_state = _Prefixed(state, _METHOD_PREFIX)
+        out.append(ProgramArtifact(with_state(program.program, method_state), True))
+    return tuple(out)
 
 
 def quantize(inputs: tuple, samples: Any, context: Any) -> tuple:
@@ -176,11 +219,12 @@ def delegation(inputs: tuple, samples: Any, context: Any) -> dict:
 
 def check_numerics(inputs: tuple, samples: Any, context: Any) -> dict:
     """Run the ``.pte``'s ``forward`` in ExecuTorch's runtime on the sample inputs; compare
-    with torch."""
+    with torch: the float model, or under a quantizing recipe the quantized program (what the
+    runtime should reproduce) and the float model (the error quantization costs)."""
     from graphbuild.targets.executorch.runtime import compare_pte
 
-    file, reference = inputs
-    return compare_pte(file.data, reference, as_args(samples))
+    file, reference, *floats = inputs
+    return compare_pte(file.data, reference, as_args(samples), *floats)
 
 
 def _dynamic_shapes(dims: list, inputs: int) -> tuple:
@@ -221,7 +265,58 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
             "check_numerics runs the .pte here, and the VGF delegate needs a Vulkan device with "
             "Arm's ML extensions: export vgf without check_numerics, or check the xnnpack format"
         )
+    if opts.source_transform and fmt != "xnnpack":
+        raise ConfigError(
+            f"recipe '{opts.recipe}' lowers through XNNPACK only (its dynamically quantized "
+            f"linear); use --format xnnpack, or a PT2E recipe (int8_static, int8_dynamic) "
+            f"for {fmt}"
+        )
     p = Pipeline(name=f"{request.target}/{fmt}")
+    lower_reads = ("ctx.format", "ctx.model_name", "ctx.methods", "ctx.constant_methods")
+    if opts.source_transform:
+        cap = p.register_stage(
+            capture_transformed,
+            "capture_transformed",
+            reads=(
+                "input.structure",
+                "samples.spec",
+                "ctx.recipe",
+                "ctx.methods",
+                "ctx.dynamic_dims",
+            ),
+        )
+        source = p.register_stage(
+            quantize_source, "quantize", reads=("input.state", "ctx.recipe")
+        ).depends_on(cap)
+        low = p.register_stage(lower_quantized, "lower", reads=lower_reads).depends_on(source)
+    else:
+        source, low = _capture_and_lower(p, opts, lower_reads)
+    out = p.register_stage(pte, "pte", reads=()).depends_on(low)
+    summary = p.register_stage(delegation, "delegation", reads=()).depends_on(low)
+    p.products = [out.name]
+    p.output_files = frozenset({f"{request.model_name}.pte"})
+    p.reports["delegation"] = summary.name
+    if opts.check_numerics:
+        check = p.register_stage(check_numerics, "check_numerics", reads=("samples",))
+        if opts.quantized:
+            forward = p.register_stage(quantized_forward, "quantized_forward", reads=())
+            forward.depends_on(source)
+            ref = p.register_stage(reference_from_program, "reference", reads=("samples",))
+            ref.depends_on(forward)
+            floats = p.register_stage(
+                reference_from_model, "float_reference", reads=("input", "samples")
+            )
+            check.depends_on(out, ref, floats)
+        else:
+            ref = p.register_stage(reference_from_model, "reference", reads=("input", "samples"))
+            check.depends_on(out, ref)
+        p.reports["numerics"] = check.name
+    return p
+
+
+def _capture_and_lower(p: Pipeline, opts: ExecuTorchOptions, lower_reads: tuple) -> tuple:
+    """The shared ``capture`` (and ``capture_methods``), the PT2E ``quantize`` when the recipe
+    quantizes, and ``lower``: (the quantize stage or None, the lower stage)."""
     if opts.dynamic_dims is None:
         cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
     else:
@@ -237,41 +332,23 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
                 capture_methods, "capture_methods", reads=("input.structure", "ctx.methods")
             )
         )
-    lower_reads = ("ctx.format", "ctx.model_name", "ctx.methods", "ctx.constant_methods")
-    if opts.quantized:
-        source = p.register_stage(
-            quantize,
-            "quantize",
-            reads=(
-                "input.state",
-                "ctx.recipe",
-                "ctx.format",
-                "ctx.quantizer",
-                "registry.quantizer_presets",
-                "ctx.calibration",
-                "ctx.methods",
-                "samples.spec",
-                "samples.values",
-            ),
-        ).depends_on(*captures)
-        low = p.register_stage(lower_quantized, "lower", reads=lower_reads).depends_on(source)
-    else:
+    if not opts.quantized:
         low = p.register_stage(lower_float, "lower", reads=("input.state", *lower_reads))
-        low.depends_on(*captures)
-    out = p.register_stage(pte, "pte", reads=()).depends_on(low)
-    summary = p.register_stage(delegation, "delegation", reads=()).depends_on(low)
-    p.products = [out.name]
-    p.output_files = frozenset({f"{request.model_name}.pte"})
-    p.reports["delegation"] = summary.name
-    if opts.check_numerics:
-        if opts.quantized:
-            forward = p.register_stage(quantized_forward, "quantized_forward", reads=())
-            forward.depends_on(source)
-            ref = p.register_stage(reference_from_program, "reference", reads=("samples",))
-            ref.depends_on(forward)
-        else:
-            ref = p.register_stage(reference_from_model, "reference", reads=("input", "samples"))
-        check = p.register_stage(check_numerics, "check_numerics", reads=("samples",))
-        check.depends_on(out, ref)
-        p.reports["numerics"] = check.name
-    return p
+        return None, low.depends_on(*captures)
+    source = p.register_stage(
+        quantize,
+        "quantize",
+        reads=(
+            "input.state",
+            "ctx.recipe",
+            "ctx.format",
+            "ctx.quantizer",
+            "registry.quantizer_presets",
+            "ctx.calibration",
+            "ctx.methods",
+            "samples.spec",
+            "samples.values",
+        ),
+    ).depends_on(*captures)
+    low = p.register_stage(lower_quantized, "lower", reads=lower_reads).depends_on(source)
+    return source, low
