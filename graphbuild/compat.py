@@ -1,14 +1,17 @@
 """Every use of a private torch API, in one place, each behind a version gate.
 
 graphbuild supports torch 2.10 through 2.15 (``pyproject.toml`` pins that range and CI's compat
-matrix tests it). torch's program serializer (``torch._export.serde``) is not public and changes
-between releases; anything that touches it lives here, so a new torch release means reading one
-file. Each gate has a test in ``tests/test_compat.py`` that runs on whichever torch is installed.
+matrix tests it). torch's program serializer (``torch._export.serde``) and ExportedProgram's
+internals (its ``_state_dict``, its constructor's ``verifiers``) are not public and change
+between releases; anything that touches them lives here, so a new torch release means reading
+one file. Each gate has a test in ``tests/test_compat.py`` that runs both of its branches on
+whichever torch is installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import types
@@ -20,6 +23,8 @@ import torch
 __all__ = [
     "TORCH_VERSION",
     "deserialize_program",
+    "new_program",
+    "program_with_state",
     "register_quantized_decomposed_ops",
     "serialize_program_graph",
 ]
@@ -32,6 +37,73 @@ def _release(version: str) -> tuple[int, int]:
 
 #: (major, minor) of the installed torch.
 TORCH_VERSION: tuple[int, int] = _release(torch.__version__)
+
+
+#: The newest release whose ExportedProgram is known to keep its state dict in the
+#: ``_state_dict`` attribute behind the ``state_dict`` property (every one from 2.10 does).
+_STATE_DICT_ATTRIBUTE_THROUGH = (2, 15)
+
+
+def program_with_state(
+    program: torch.export.ExportedProgram, state: Mapping[str, torch.Tensor]
+) -> torch.export.ExportedProgram:
+    """A copy of ``program`` whose parameters and buffers are ``state`` (by FQN), sharing its
+    graph, signature and constants.
+
+    ExportedProgram has no public setter for its state. Up to torch 2.15 the copy is shallow
+    and its ``_state_dict`` replaced (costs nothing); on a later release the program is rebuilt
+    through its constructor, which also verifies it."""
+    if TORCH_VERSION <= _STATE_DICT_ATTRIBUTE_THROUGH:
+        out = copy.copy(program)
+        out._state_dict = dict(state)  # noqa: SLF001 - no public setter
+        return out
+    return new_program(
+        root=program.graph_module,
+        graph=program.graph,
+        graph_signature=program.graph_signature,
+        state_dict=dict(state),
+        range_constraints=program.range_constraints,
+        module_call_graph=program.module_call_graph,
+        example_inputs=program.example_inputs,
+        constants=program.constants,
+        verifiers=program.verifiers,
+    )
+
+
+@functools.cache
+def _constructor_takes_verifiers() -> bool:
+    """``ExportedProgram(..., verifiers=[...])``: every supported release takes the
+    program's verifiers (the dialect's checks); a release without the argument verifies with
+    its default."""
+    return "verifiers" in inspect.signature(torch.export.ExportedProgram).parameters
+
+
+def new_program(
+    *,
+    root: torch.nn.Module,
+    graph: torch.fx.Graph,
+    graph_signature: Any,
+    state_dict: Mapping[str, Any],
+    range_constraints: Any,
+    module_call_graph: Any,
+    example_inputs: Any,
+    constants: Mapping[str, Any],
+    verifiers: Any,
+) -> torch.export.ExportedProgram:
+    """A new ExportedProgram over ``graph``; the constructor runs torch's verifier (signature,
+    state dict, module call graph)."""
+    kwargs: dict[str, Any] = {"verifiers": verifiers} if _constructor_takes_verifiers() else {}
+    return torch.export.ExportedProgram(
+        root=root,
+        graph=graph,
+        graph_signature=graph_signature,
+        state_dict=dict(state_dict),
+        range_constraints=range_constraints,
+        module_call_graph=module_call_graph,
+        example_inputs=example_inputs,
+        constants=dict(constants),
+        **kwargs,
+    )
 
 
 @functools.cache

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from packaging.requirements import Requirement
 
@@ -76,3 +77,80 @@ def test_quantized_decomposed_ops_are_registered_on_demand() -> None:
     compat.register_quantized_decomposed_ops()
     assert hasattr(torch.ops.quantized_decomposed, "quantize_per_tensor")
     assert hasattr(torch.ops.quantized_decomposed, "dequantize_per_channel")
+
+
+# --------------------------------------------------------------------------- both branches
+
+
+def test_pre_2_13_serialize_path_gives_the_same_graph_without_pickling(monkeypatch) -> None:
+    """torch < 2.13 has no serialize_state_dict flag: the tensor pickler is bypassed instead."""
+    program = _program()
+    current = compat.serialize_program_graph(program)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.save called: tensors are graphbuild's to store")
+
+    monkeypatch.setattr(compat, "_serialize_takes_part_flags", lambda: False)
+    monkeypatch.setattr(torch, "save", refuse)
+    old_path = compat.serialize_program_graph(program)
+    assert old_path == current
+    restored = compat.deserialize_program(old_path, program.state_dict, program.constants)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(restored.module()(x), program.module()(x))
+
+
+def _doubled_state(program: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """Twice the program's state; parameters stay Parameters, as the verifier demands."""
+    out = {}
+    for name, t in program.state_dict.items():
+        doubled = 2 * t.detach()
+        is_param = isinstance(t, torch.nn.Parameter)
+        out[name] = torch.nn.Parameter(doubled, requires_grad=False) if is_param else doubled
+    return out
+
+
+@pytest.mark.parametrize("release", [compat.TORCH_VERSION, (2, 16)], ids=["installed", "later"])
+def test_program_with_state_swaps_the_values_and_leaves_the_original(monkeypatch, release):
+    """Up to 2.15 the state dict attribute is replaced on a shallow copy; a later release
+    goes through the constructor."""
+    monkeypatch.setattr(compat, "TORCH_VERSION", release)
+    program = _program()
+    before = {name: t.clone() for name, t in program.state_dict.items()}
+    doubled = _doubled_state(program)
+    swapped = compat.program_with_state(program, doubled)
+    assert swapped.state_dict.keys() == doubled.keys()
+    assert all(swapped.state_dict[name] is t for name, t in doubled.items())
+    for name, t in before.items():
+        torch.testing.assert_close(program.state_dict[name], t)
+    x = torch.randn(2, 4)
+    model = _Affine()
+    model.load_state_dict(doubled)
+    torch.testing.assert_close(swapped.module()(x), model(x))
+
+
+@pytest.mark.parametrize("takes_verifiers", [True, False])
+def test_new_program_builds_a_verified_program_either_way(monkeypatch, takes_verifiers):
+    monkeypatch.setattr(compat, "_constructor_takes_verifiers", lambda: takes_verifiers)
+    program = _program()
+    rebuilt = compat.new_program(
+        root=program.graph_module,
+        graph=program.graph,
+        graph_signature=program.graph_signature,
+        state_dict=program.state_dict,
+        range_constraints=program.range_constraints,
+        module_call_graph=program.module_call_graph,
+        example_inputs=program.example_inputs,
+        constants=program.constants,
+        verifiers=program.verifiers,
+    )
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(rebuilt.module()(x), program.module()(x))
+    assert [type(v) for v in rebuilt.verifiers] == [type(v) for v in program.verifiers]
+
+
+def test_the_installed_torch_takes_the_current_branches() -> None:
+    """Within the supported range every gate picks the cheap, current path."""
+    assert compat.TORCH_VERSION <= compat._STATE_DICT_ATTRIBUTE_THROUGH
+    assert compat._constructor_takes_verifiers()
+    if compat.TORCH_VERSION >= (2, 13):
+        assert compat._serialize_takes_part_flags()

@@ -32,6 +32,7 @@ from torch.export.graph_signature import (
 )
 from torch.fx import Graph, Node
 
+from graphbuild.compat import new_program
 from graphbuild.errors import ExportError, UnknownQuantizerError
 from graphbuild.frontend.markers import MARKER_TARGET, is_marker
 from graphbuild.frontend.quantmap import QuantMap, QuantSpec
@@ -354,7 +355,7 @@ def _rebuild(
         for s in program.graph_signature.input_specs
         if getattr(s.arg, "name", None) in removed and s.target not in kept
     }
-    return ExportedProgram(
+    return new_program(
         root=program.graph_module,
         graph=graph,
         graph_signature=signature,

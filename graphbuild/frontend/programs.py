@@ -10,7 +10,6 @@ carries values (PT2E output) stores its state as raw tensors.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from graphbuild.compat import deserialize_program, serialize_program_graph
+from graphbuild.compat import deserialize_program, program_with_state, serialize_program_graph
 from graphbuild.engine.codecs import Codec, Encoded, Part, TensorDictCodec, register_codec
 from graphbuild.errors import CodecError
 from graphbuild.frontend import markers  # noqa: F401  - registers graphbuild::q for deserialization
@@ -66,19 +65,20 @@ def state_specs(program: ExportedProgram) -> list[tuple[str, bool]]:
 
 
 def strip_state(program: ExportedProgram) -> ExportedProgram:
-    """A shallow copy of ``program`` whose state dict holds placeholders only."""
-    out = copy.copy(program)
-    out._state_dict = {  # noqa: SLF001 - ExportedProgram has no public setter
-        name: placeholder_like(program.state_dict[name], is_param)
-        for name, is_param in state_specs(program)
-    }
-    return out
+    """A copy of ``program`` (sharing its graph) whose state dict holds placeholders only."""
+    return program_with_state(
+        program,
+        {
+            name: placeholder_like(program.state_dict[name], is_param)
+            for name, is_param in state_specs(program)
+        },
+    )
 
 
 def with_state(program: ExportedProgram, state: Mapping[str, torch.Tensor]) -> ExportedProgram:
-    """A shallow copy of a structure-only ``program`` whose parameters and buffers are the
-    tensors of ``state`` (by FQN), for back ends that need real values in the program."""
-    out = copy.copy(program)
+    """A copy of a structure-only ``program`` (sharing its graph) whose parameters and
+    buffers are the tensors of ``state`` (by FQN), for back ends that need real values in the
+    program."""
     values = {}
     for name, is_param in state_specs(program):
         if name not in state:
@@ -91,8 +91,7 @@ def with_state(program: ExportedProgram, state: Mapping[str, torch.Tensor]) -> E
                 f"{expected.dtype}{list(expected.shape)}"
             )
         values[name] = torch.nn.Parameter(value, requires_grad=False) if is_param else value
-    out._state_dict = values  # noqa: SLF001 - ExportedProgram has no public setter
-    return out
+    return program_with_state(program, values)
 
 
 _VOLATILE_META = ("stack_trace", "from_node", "seq_nr")
