@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "TORCH_VERSION",
     "deserialize_program",
+    "full_float32",
     "new_program",
     "program_with_state",
     "register_quantized_decomposed_ops",
@@ -104,6 +105,37 @@ def new_program(
         constants=dict(constants),
         **kwargs,
     )
+
+
+def _has_precision_api() -> bool:
+    """torch 2.9 added ``fp32_precision`` settings per back end and operation; the older
+    ``allow_tf32`` flags still work but must not be mixed with them."""
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+@contextlib.contextmanager
+def full_float32() -> Iterator[None]:
+    """float32 matmuls, convolutions and RNNs at full precision within the block (CUDA's default
+    lets cuDNN convolutions use TF32, 10-bit mantissas), the previous settings after."""
+    if _has_precision_api():
+        backends = torch.backends
+        settings = [backends.cuda.matmul, backends.cudnn.conv, backends.cudnn.rnn]
+        saved = [s.fp32_precision for s in settings]
+        try:
+            for s in settings:
+                s.fp32_precision = "ieee"
+            yield
+        finally:
+            for s, value in zip(settings, saved, strict=True):
+                s.fp32_precision = value
+        return
+    saved_flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_flags
 
 
 @functools.cache

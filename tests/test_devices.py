@@ -18,6 +18,7 @@ from examples import convnet, tiny_decoder
 from graphbuild.engine import fingerprint
 from graphbuild.engine.codecs import encode
 from graphbuild.engine.fingerprint import state_digests, structure_fingerprint, tensor_digest
+from graphbuild.frontend import devices
 from graphbuild.frontend.capture import capture_program
 from graphbuild.frontend.devices import HostState, on_cpu, to_device
 from graphbuild.targets.qnn.encodings import read_encodings
@@ -94,6 +95,160 @@ def test_to_device_moves_tensors_in_nested_batches():
     moved = to_device(batch, "meta")
     assert moved[0]["ids"].device.type == "meta" and moved[1][0].device.type == "meta"
     assert moved[2] == 3
+
+
+class _Holder(torch.nn.Module):
+    """Tensors where ``.to()`` does not reach them (a list and a dict attribute), a device
+    attribute used in ``forward``, and a container holding one of its own parameters."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, device=device)
+        self.device = torch.device(device)
+        self.tables = [torch.linspace(0, 1, 8, device=device)]
+        self.masks = {"keep": torch.ones(8, device=device)}
+        self.flat = [self.proj.weight]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x) + self.tables[0] * self.masks["keep"]
+        return y + torch.arange(8, device=self.device)
+
+
+def _zeros_for_meta(monkeypatch) -> None:
+    """meta tensors have no values to copy to the host: let their host copies be zeros (the
+    CPU model of these tests holds zeros where it matters)."""
+    real = devices._host_copy
+
+    def host_copy(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(t.shape, dtype=t.dtype) if t.device.type == "meta" else real(t)
+
+    monkeypatch.setattr(devices, "_host_copy", host_copy)
+
+
+def test_on_cpu_swaps_tensors_held_in_containers_and_restores_the_containers(monkeypatch):
+    _zeros_for_meta(monkeypatch)
+    model = _Holder("meta")
+    tables, masks, flat = model.tables, model.masks, model.flat
+    with on_cpu(model):
+        assert model.tables[0].device.type == "cpu" and model.masks["keep"].device.type == "cpu"
+        assert model.flat[0] is model.proj.weight  # the parameter's one stand-in
+        assert model.device == torch.device("cpu")
+    assert model.tables is tables and model.masks is masks and model.flat is flat
+    assert tables[0].device.type == "meta" and model.device == torch.device("meta")
+
+
+def test_capture_with_container_tensors_and_a_device_attribute_off_cpu_is_the_cpu_program(
+    monkeypatch,
+):
+    _zeros_for_meta(monkeypatch)
+    torch.manual_seed(0)
+    cpu = _Holder().eval()
+    cpu.tables, cpu.masks = [torch.zeros(8)], {"keep": torch.zeros(8)}
+    samples = (torch.randn(2, 8),)
+    meta = _Holder("meta").eval()
+    assert (
+        encode(capture_program(meta, samples)).digest
+        == encode(capture_program(cpu, samples)).digest
+    )
+
+
+def test_a_model_naming_cuda_in_forward_captures_here_like_the_cpu_model():
+    """The device attribute of a model built for CUDA reads as the CPU while tracing, so its
+    program (and its structure key) is the CPU model's, on a machine without CUDA too."""
+    torch.manual_seed(0)
+    model = _Holder().eval()
+    samples = (torch.randn(2, 8),)
+    cpu_program = encode(capture_program(model, samples)).digest
+    cpu_structure = structure_fingerprint(model).digest
+    model.device = torch.device("cuda", 0)
+    assert encode(capture_program(model, samples)).digest == cpu_program
+    assert structure_fingerprint(model).digest == cpu_structure
+    assert model.device == torch.device("cuda", 0)
+
+
+def test_a_device_outside_a_model_is_still_a_value():
+    from graphbuild.engine.fingerprint import fingerprint
+
+    assert fingerprint(torch.device("cuda")) != fingerprint(torch.device("cpu"))
+
+
+def _fp32_settings() -> list:
+    backends = torch.backends
+    return [backends.cuda.matmul, backends.cudnn.conv, backends.cudnn.rnn]
+
+
+def _tf32_state() -> tuple:
+    """What full_float32 sets, read through the API the installed torch wants read (reading
+    the legacy flags after the new API was used is an error from torch 2.9 on)."""
+    from graphbuild import compat
+
+    if compat._has_precision_api():
+        return tuple(s.fp32_precision for s in _fp32_settings())
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+
+
+def _full_precision() -> tuple:
+    from graphbuild import compat
+
+    return ("ieee",) * 3 if compat._has_precision_api() else (False, False)
+
+
+@pytest.fixture
+def restore_tf32():
+    from graphbuild import compat
+
+    saved, precision_api = _tf32_state(), compat._has_precision_api()
+    yield
+    if precision_api:
+        for setting, value in zip(_fp32_settings(), saved, strict=True):
+            setting.fp32_precision = value
+    else:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_full_float32_turns_tf32_off_in_the_block_and_restores_it(restore_tf32):
+    from graphbuild import compat
+
+    before = _tf32_state()
+    with pytest.raises(RuntimeError, match="inside"), compat.full_float32():
+        assert _tf32_state() == _full_precision()
+        raise RuntimeError("inside")
+    assert _tf32_state() == before
+
+
+def test_full_float32_through_the_legacy_flags(monkeypatch, restore_tf32):
+    """Releases before the fp32_precision settings: the allow_tf32 flags."""
+    from graphbuild import compat
+
+    monkeypatch.setattr(compat, "_has_precision_api", lambda: False)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    with pytest.raises(RuntimeError, match="inside"), compat.full_float32():
+        assert not torch.backends.cuda.matmul.allow_tf32
+        assert not torch.backends.cudnn.allow_tf32
+        raise RuntimeError("inside")
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+
+
+def test_reference_of_a_cuda_model_is_computed_without_tf32(monkeypatch, restore_tf32):
+    """The reference runs the model where it lives; on CUDA it must not use TF32 (the device
+    check is stood in for: no CUDA here)."""
+    from types import SimpleNamespace
+
+    from graphbuild.frontend import reference
+
+    seen = []
+
+    class _Probe(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(_tf32_state())
+            return x * 2
+
+    before = _tf32_state()
+    monkeypatch.setattr(reference, "model_device", lambda model: torch.device("cuda"))
+    monkeypatch.setattr(reference, "to_device", lambda tree, device: tree)
+    out = reference.reference_from_model((), (torch.ones(2),), SimpleNamespace(input=_Probe()))
+    assert seen == [_full_precision()] and _tf32_state() == before
+    torch.testing.assert_close(out["0000"], torch.full((2,), 2.0))
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -212,3 +367,41 @@ def test_cuda_model_calibrates_on_cpu_batches(tmp_path):
     )
     for out in art.report.extra["numerics"]["outputs"]:
         assert out["sqnr_db"] > 30, out
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_model_with_container_tensors_and_a_device_attribute_shares_the_cpu_cache(
+    tmp_path,
+):
+    """On CUDA with its list and dict tensors and its device attribute too (which ``.to()``
+    does not move): exports without mixing devices, with the CPU model's keys and encodings."""
+    torch.manual_seed(0)
+    cpu = _Holder().eval()
+    gpu = copy.deepcopy(cpu).to("cuda")  # the same values; then what .to() leaves behind
+    gpu.device = torch.device("cuda", 0)
+    gpu.tables = [t.cuda() for t in cpu.tables]
+    gpu.masks = {k: v.cuda() for k, v in cpu.masks.items()}
+    gpu.flat = [gpu.proj.weight]
+    samples = (torch.randn(2, 8),)
+    options = dict(quantizer="w8a16", calibration=[samples] * 2)
+    cache = gb.Cache(tmp_path / "c")
+    _export(cpu, samples, tmp_path / "cpu", cache, **options)
+    shared = _export(gpu, to_device(samples, "cuda"), tmp_path / "gpu", cache, **options).report
+    assert set(shared.statuses.values()) == {"hit"}, shared.statuses
+    fresh = _export(gpu, samples, tmp_path / "gpu2", gb.Cache(tmp_path / "c2"), **options)
+    assert "ran" in set(fresh.report.statuses.values())
+    _assert_same_encodings(tmp_path / "cpu", tmp_path / "gpu2")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_fp32_reference_matches_the_cpu_runtime_without_tf32(tmp_path):
+    """CUDA lets cuDNN convolutions use TF32 by default (about 60 dB against float32); the
+    numerics reference must be float32 at full precision."""
+    model, samples = convnet.build()
+    art = _export(model.cuda(), samples, tmp_path, False, check_numerics=True)
+    for out in art.report.extra["numerics"]["outputs"]:
+        assert out["sqnr_db"] > 80, out
+    if hasattr(torch.backends.cudnn.conv, "fp32_precision"):
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"  # CUDA's default, restored

@@ -58,8 +58,10 @@ _MAX_DEPTH = 12
 class _Walk:
     """State of one recursive fingerprint: cycle guard and the path for error messages."""
 
-    def __init__(self, state_names: Mapping[int, str] | None = None) -> None:
+    def __init__(self, state_names: Mapping[int, str] | None = None, model: bool = False) -> None:
         self.active: set[int] = set()
+        # walking a model's structure: where its tensors live is not structure (see torch.device)
+        self.model = model
         self.path: list[str] = []
         # tensors that are the model's own parameters and buffers (by id, within this walk):
         # an attribute holding one (nn.LSTM's _flat_weights) is structure by name, its values
@@ -225,8 +227,15 @@ def _(value: PurePath, walk: _Walk) -> Any:
     return {"path": str(value)}
 
 
-@fingerprint_type.register(torch.dtype)
 @fingerprint_type.register(torch.device)
+def _(value: torch.device, walk: _Walk) -> Any:
+    # In a model's structure a device is where the model happens to live: the front end traces
+    # on CPU stand-ins with device attributes read as the CPU (frontend/devices.on_cpu), so the
+    # same model on any device has one structure key (invariant 10). Elsewhere it is a value.
+    return {"torch": "device"} if walk.model else {"torch": str(value)}
+
+
+@fingerprint_type.register(torch.dtype)
 @fingerprint_type.register(torch.memory_format)
 @fingerprint_type.register(torch.layout)
 def _(value: Any, walk: _Walk) -> Any:
@@ -490,7 +499,7 @@ def _structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
         state_names.setdefault(id(t), name)
     for name, sub in module.named_modules(remove_duplicate=False):
         classes.append(type(sub))
-        walk = _Walk(state_names)
+        walk = _Walk(state_names, model=True)
         walk.path.append(name or "<root>")
         attrs = {}
         skip = volatile_attributes(type(sub))

@@ -6,14 +6,18 @@ CPU, so a cache filled on a workstation serves a GPU box and the other way round
 
 - ``capture`` traces a CPU stand-in of the model: parameters become uninitialised CPU tensors
   of the same shape, dtype and strides (tracing reads no parameter values and the captured
-  program stores none, so nothing is copied and no memory is touched), buffers and plain tensor
-  attributes become CPU copies (their values are lifted into the program as constants), and the
+  program stores none, so nothing is copied and no memory is touched), buffers and tensor
+  attributes (held directly or in lists, tuples and dicts) become CPU copies (their values are
+  lifted into the program as constants), ``torch.device`` attributes read as the CPU, and the
   sample inputs are copied to the CPU. The user's model is restored before capture returns.
+  Where a model keeps its tensors is therefore not part of its structure: the structure
+  fingerprint records a ``torch.device`` attribute without its device type.
 - ``quantize`` calibrates on the CPU: weights are copied to host memory once per stage run (the
   ONNX file needs them there anyway) and calibration batches are moved as they come.
 - Stages that read the model's values get them through ``HostState``: one host copy per tensor,
   made when it is read.
-- The reference outputs of the numerics check come from the model on its own device.
+- The reference outputs of the numerics check come from the model on its own device, with
+  float32 at full precision (no TF32 matmuls or convolutions, which CUDA enables by default).
 """
 
 from __future__ import annotations
@@ -105,36 +109,63 @@ def host_copy(model: torch.nn.Module, values: bool = True) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
+#: A module's own tables of parameters, buffers and children: on_cpu swaps their entries one
+#: by one, never the table.
+_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+
+_CPU = torch.device("cpu")
+
+
 @contextmanager
 def on_cpu(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Within the block, ``model``'s state off the CPU is replaced by CPU stand-ins (see the
-    module docstring); on exit every original tensor is put back, whatever happened.
+    module docstring); on exit every original is put back, whatever happened.
 
-    Tied tensors (one object under several names) get one stand-in, so ties survive tracing.
-    A model whose state is all on the CPU is left untouched.
+    Parameters, buffers and tensor attributes are swapped, and so are tensors inside a list,
+    tuple or dict attribute (an LSTM's ``_flat_weights``, a table of masks): the container is
+    replaced by a copy holding the stand-ins. A ``torch.device`` attribute off the CPU (a
+    module that makes tensors ``device=self.device`` in ``forward``) reads as the CPU, so the
+    program is the CPU model's. Tied tensors (one object under several names or in a
+    container too) get one stand-in, so ties survive tracing. A model with nothing off the
+    CPU is left untouched.
     """
-    stand_ins: dict[int, torch.Tensor] = {}
+    stand_ins: dict[int, Any] = {}
     undo: list[tuple[dict[str, Any], str, Any]] = []
 
-    def swap(store: dict[str, Any], name: str, make: Any) -> None:
-        original = store[name]
+    def stand_in(original: Any, make: Any) -> Any:
         if id(original) not in stand_ins:
             stand_ins[id(original)] = make(original)
-        undo.append((store, name, original))
-        store[name] = stand_ins[id(original)]
+        return stand_ins[id(original)]
+
+    def swap(store: dict[str, Any], name: str, value: Any) -> None:
+        undo.append((store, name, store[name]))
+        store[name] = value
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return stand_in(value, _host_copy)
+        if isinstance(value, torch.device) and value.type != "cpu":
+            return _CPU
+        return value
 
     try:
-        for module in model.modules():
+        modules = list(model.modules())
+        for module in modules:  # parameters and buffers first: containers may hold them too
             for name, param in list(module._parameters.items()):
                 if param is not None and param.device.type != "cpu":
-                    swap(module._parameters, name, _parameter_stand_in)
+                    swap(module._parameters, name, stand_in(param, _parameter_stand_in))
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None and buffer.device.type != "cpu":
-                    swap(module._buffers, name, _host_copy)
+                    swap(module._buffers, name, stand_in(buffer, _host_copy))
+        for module in modules:
             attrs = vars(module)
             for name, value in list(attrs.items()):
-                if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-                    swap(attrs, name, _host_copy)
+                if name in _MODULE_TABLES:
+                    continue
+                leaves, spec = torch.utils._pytree.tree_flatten(value)
+                swapped = [leaf(v) for v in leaves]
+                if any(new is not old for new, old in zip(swapped, leaves, strict=True)):
+                    swap(attrs, name, torch.utils._pytree.tree_unflatten(swapped, spec))
         yield model
     finally:
         for store, name, original in reversed(undo):

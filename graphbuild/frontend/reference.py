@@ -6,12 +6,14 @@ inputs; each target compares what its runtime computes (onnxruntime, ExecuTorch)
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import numpy as np
 import torch
 
+from graphbuild.compat import full_float32
 from graphbuild.frontend.capture import as_args
 from graphbuild.frontend.devices import model_device, to_device
 
@@ -37,10 +39,13 @@ def output_errors(reference: np.ndarray, actual: np.ndarray) -> dict[str, float]
 
 
 def reference_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
-    """Outputs of the (fake-quantized) torch model on the sample inputs."""
+    """Outputs of the (fake-quantized) torch model on the sample inputs, on the model's own
+    device; on CUDA with float32 at full precision (no TF32), as the CPU computes it."""
     model = context.input
-    with torch.no_grad():
-        out = model(*to_device(as_args(samples), model_device(model)))
+    device = model_device(model)
+    precise = full_float32() if device.type == "cuda" else contextlib.nullcontext()
+    with torch.no_grad(), precise:
+        out = model(*to_device(as_args(samples), device))
     return _outputs_dict(out)
 
 
