@@ -702,3 +702,18 @@ def test_cli_numerics_line_names_both_references_under_a_quantizing_recipe():
         "numerics   output_0: SQNR inf dB, max abs error 0 against the quantized program; "
         "SQNR 31.2 dB, max abs error 0.0123 against the float model"
     ]
+
+
+def test_executorchs_per_tensor_static_recipe_quantizes_weights_per_tensor(tmp_path):
+    from graphbuild.targets.executorch.recipes import recipe_quantizer
+
+    quantizer = recipe_quantizer("xnnpack_pt2e_int8_static_per_tensor", "xnnpack")
+    assert quantizer.global_config.weight.qscheme == torch.per_tensor_symmetric
+    assert recipe_quantizer("int8_static", "xnnpack").global_config.weight.qscheme == (
+        torch.per_channel_symmetric
+    )
+    model, samples = _mlp()
+    art = export(model, samples, tmp_path, False, recipe="xnnpack_pt2e_int8_static_per_tensor")
+    (row,) = art.report.extra["numerics"]["outputs"]
+    assert row["sqnr_db"] > 30 and 15 < row["sqnr_db_vs_float"] < 60
+    assert art.report.extra["delegation"]["ops"]["aten_linear_default"]["delegated"] == 3
