@@ -124,6 +124,7 @@ def _validate(table: Mapping[str, Any], where: str) -> None:
                 )
             raise ConfigError(f"{where}: unknown top-level key '{key}'{_suggest(key, top)}")
         _check_type(key, value, top[key], where)
+    for key, value in table.items():  # tables once every key has its type ("target" a string)
         if key in _TABLES or key == "options":
             schema = _TABLES[key] if key != "options" else _target_schema(table, where)
             for sub, subvalue in value.items():

@@ -427,3 +427,9 @@ def test_a_bare_option_of_another_target_names_the_table_it_is_unknown_in(tmp_pa
     convnet_config(tmp_path)
     with pytest.raises(ConfigError, match=r"unknown key 'opset' in \[options\]"):
         load_config(cwd=tmp_path, overrides=["target=executorch", "opset=17"])
+
+
+def test_a_target_of_the_wrong_type_is_named_before_options_are_checked(tmp_path):
+    write(tmp_path / "graphbuild.toml", "options = {}\ntarget = []\n")
+    with pytest.raises(ConfigError, match=r"'target' must be a string, got \[\]"):
+        load_config(cwd=tmp_path)
