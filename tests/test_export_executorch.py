@@ -614,8 +614,9 @@ def test_torchao_recipe_weights_change_requantizes_without_a_retrace(tmp_path):
 
 
 def test_torchao_recipe_graph_does_not_depend_on_the_weights(tmp_path):
-    """capture_transformed reads structure only: recomputing it for other weights must give
-    the cached program (--check-fingerprints)."""
+    """capture_transformed reads no weights: with other weights it is a hit, and recomputing
+    it (--check-fingerprints) reproduces the cached program. (That the graph traced on zero
+    weights computes what torchao's eager model computes, the numerics tests check.)"""
     model, samples = _mlp()
     cache = gb.Cache(tmp_path / "c")
     export(model, samples, tmp_path, cache, recipe="int8da_int4w", check_numerics=False)
@@ -717,3 +718,23 @@ def test_executorchs_per_tensor_static_recipe_quantizes_weights_per_tensor(tmp_p
     (row,) = art.report.extra["numerics"]["outputs"]
     assert row["sqnr_db"] > 30 and 15 < row["sqnr_db_vs_float"] < 60
     assert art.report.extra["delegation"]["ops"]["aten_linear_default"]["delegated"] == 3
+
+
+class _Scaled(_Mlp):
+    """A non-persistent buffer: torch.export keeps its value in the program as a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.linspace(0.5, 2.0, 64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * self.gain)
+
+
+def test_torchao_recipe_keeps_non_persistent_buffer_values(tmp_path):
+    torch.manual_seed(0)
+    model, samples = _Scaled().eval(), (torch.randn(4, 64),)
+    export(model, samples, tmp_path, False, recipe="int8da_int4w", check_numerics=False)
+    out = run_pte((tmp_path / "model.pte").read_bytes(), samples)[0]
+    with torch.no_grad():
+        assert _sqnr(_eager_transformed(model, "int8da_int4w")(*samples), out) > 35

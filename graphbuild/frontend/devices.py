@@ -93,16 +93,18 @@ def host_copy(model: torch.nn.Module, values: bool = True) -> torch.nn.Module:
     """A copy of ``model``'s module tree for a stage to transform (torchao's ``quantize_``
     rebinds parameters), whose parameters and buffers are CPU tensors: the model's own memory
     where it is on the CPU (a transform replaces tensors, it does not write into them), a host
-    copy otherwise; with ``values=False``, zeros of the same shape and dtype (for tracing, which
-    reads no values). Tied tensors stay tied."""
+    copy otherwise. With ``values=False`` the parameters are zeros of the same shape and dtype
+    (for tracing, which reads no parameter values); buffers keep their values, since a traced
+    program keeps those of non-persistent buffers as constants. Tied tensors stay tied."""
     memo: dict[int, Any] = {}
+    params = {id(p) for p in model.parameters()}
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) in memo:
             continue
-        if values:
-            host = tensor.detach() if tensor.device.type == "cpu" else tensor.detach().cpu()
-        else:
+        if not values and id(tensor) in params:
             host = torch.zeros(tensor.shape, dtype=tensor.dtype)
+        else:
+            host = tensor.detach() if tensor.device.type == "cpu" else tensor.detach().cpu()
         if isinstance(tensor, torch.nn.Parameter):
             host = torch.nn.Parameter(host, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = host

@@ -98,7 +98,7 @@ def capture_methods(model: torch.nn.Module, samples: Any, context: Any) -> tuple
 def capture_transformed(model: torch.nn.Module, samples: Any, context: Any) -> tuple:
     """Every method of the model as transformed by the torchao recipe, traced: one
     structure-only program per method, ``forward`` first. The transform runs on a copy whose
-    weights are zeros: the traced graph does not depend on the weights' values (``quantize``
+    parameters are zeros: the traced graph does not depend on their values (``quantize``
     computes those), only on the structure and the recipe."""
     from graphbuild.targets.executorch.recipes import apply_source_transform
 
