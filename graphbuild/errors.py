@@ -41,12 +41,20 @@ class FingerprintMismatchError(GraphbuildError):
 class InputMutationError(GraphbuildError):
     """A stage changed an upstream output in place instead of returning a new value."""
 
-    def __init__(self, stage: str, upstream: str, how: str = "changed it in place"):
+    def __init__(
+        self,
+        stage: str,
+        upstream: str,
+        how: str = "changed it in place",
+        *,
+        what: str | None = None,
+    ):
         self.stage, self.upstream = stage, upstream
+        what = what or f"the output of '{upstream}'"
         super().__init__(
-            f"stage '{stage}' {how}: the output of '{upstream}' it was given is shared with "
-            "the cache and with other stages. Copy it first and change the copy "
-            "(copy.deepcopy(program), or build a new graph) and return that."
+            f"stage '{stage}' {how}: {what} it was given is shared with the cache and with "
+            "other stages. Copy it first and change the copy (copy.deepcopy(program), or "
+            "build a new graph) and return that."
         )
 
 

@@ -478,3 +478,158 @@ def test_a_user_stage_keys_on_the_helper_module_it_calls(tmp_path, monkeypatch):
 
     report = p.run(None, cache=cache).report
     assert report.statuses == {"stage": "ran"}
+
+
+# --------------------------------------------------------------------------- 6. the audit
+# Defects of the same classes found after the five above were fixed.
+
+
+def siblings(edit) -> Pipeline:
+    """weights -> edit, weights -> total: ``edit`` is handed the state dict ``total`` reads."""
+
+    def weights(inputs, samples, ctx):
+        return {"w": torch.zeros(3)}
+
+    def total(inputs, samples, ctx):
+        return float(inputs[0]["w"].sum())
+
+    p = Pipeline(name="siblings")
+    p.register_stage(weights, "weights", reads=())
+    p.register_stage(edit, "edit", reads=()).depends_on("weights")
+    p.register_stage(total, "total", reads=()).depends_on("weights")
+    return p
+
+
+def write_through_data(inputs, samples, ctx):
+    inputs[0]["w"].data.add_(1.0)  # .data has a version counter of its own
+    return 0
+
+
+def write_through_numpy(inputs, samples, ctx):
+    inputs[0]["w"].numpy()[:] += 1.0  # numpy keeps no version counter at all
+    return 0
+
+
+@pytest.mark.parametrize("edit", [write_through_data, write_through_numpy])
+def test_a_stage_that_writes_into_an_upstream_tensor_behind_torchs_back_fails(tmp_path, edit):
+    with pytest.raises(StageError) as info:
+        siblings(edit).run(None, cache=gb.Cache(tmp_path / "cache"))
+
+    assert info.value.stage == "edit" and isinstance(info.value.cause, InputMutationError)
+    assert "'weights'" in str(info.value)
+
+
+def test_a_stage_that_writes_into_a_bound_models_array_fails(tmp_path):
+    import onnx
+
+    from graphbuild.onnx.bind import BoundModel
+
+    def bound(inputs, samples, ctx):
+        return BoundModel(onnx.ModelProto(ir_version=10), {"w": np.zeros(4, np.float32)})
+
+    def scale(inputs, samples, ctx):
+        array = inputs[0].tensors["w"]
+        array *= 2.0  # same object, same address: only the contents moved
+        array += 1.0
+        return 0
+
+    p = Pipeline(name="bound")
+    p.register_stage(bound, "bound", reads=())
+    p.register_stage(scale, "scale", reads=()).depends_on("bound")
+
+    with pytest.raises(StageError) as info:
+        p.run(None, cache=gb.Cache(tmp_path / "cache"))
+
+    assert info.value.stage == "scale" and isinstance(info.value.cause, InputMutationError)
+
+
+def model_reader(edit):
+    """capture -> edit (reads input.state), capture -> later (reads input.state)."""
+    p = Pipeline(name="model")
+    p.register_stage(lambda m, s, c: 0, "capture", reads=("input.structure",))
+    p.register_stage(edit, "edit", reads=("input.state",)).depends_on("capture")
+    p.register_stage(
+        lambda i, s, c: float(c.input.weight.sum()), "later", reads=("input.state",)
+    ).depends_on("capture")
+    return p
+
+
+def bump_the_model(inputs, samples, ctx):
+    with torch.no_grad():
+        ctx.input.weight.add_(1.0)
+    return 0
+
+
+def bump_the_model_through_data(inputs, samples, ctx):
+    ctx.input.weight.data.add_(1.0)
+    return 0
+
+
+def test_a_stage_that_writes_into_the_model_fails_naming_itself(tmp_path):
+    model = nn.Linear(2, 2)
+    with pytest.raises(StageError) as info:
+        model_reader(bump_the_model).run(model, cache=gb.Cache(tmp_path / "cache"))
+
+    assert info.value.stage == "edit" and isinstance(info.value.cause, InputMutationError)
+    assert "the model" in str(info.value)
+
+
+def test_check_mode_catches_a_write_into_the_model_behind_torchs_back(tmp_path):
+    model = nn.Linear(2, 2)
+    with pytest.raises(StageError) as info:
+        model_reader(bump_the_model_through_data).run(
+            model, cache=gb.Cache(tmp_path / "cache"), check=True
+        )
+
+    assert info.value.stage == "edit" and isinstance(info.value.cause, InputMutationError)
+
+
+def test_a_stage_that_writes_into_the_sample_inputs_fails_naming_itself(tmp_path):
+    def bump(inputs, samples, ctx):
+        samples[0].add_(1.0)
+        return 0
+
+    p = Pipeline(name="samples")
+    p.register_stage(lambda m, s, c: 0, "capture", reads=("samples.spec",))
+    p.register_stage(bump, "edit", reads=()).depends_on("capture")
+
+    with pytest.raises(StageError) as info:
+        p.run(None, (torch.zeros(2),), cache=gb.Cache(tmp_path / "cache"))
+
+    assert info.value.stage == "edit" and isinstance(info.value.cause, InputMutationError)
+    assert "sample inputs" in str(info.value)
+
+
+def captured_linear(inputs, samples, ctx):
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    return ProgramArtifact(torch.export.export(model, (torch.ones(1, 2),)))
+
+
+def tag_nodes(inputs, samples, ctx):
+    for node in inputs[0].program.graph.nodes:
+        node.meta["custom"] = {"tagged": "yes"}  # what torch's serializer keeps
+    return 0
+
+
+def rename_module_stack(inputs, samples, ctx):
+    for node in inputs[0].program.graph.nodes:
+        for key, (path, cls) in list(node.meta.get("nn_module_stack", {}).items()):
+            node.meta["nn_module_stack"][key] = ("renamed." + path, cls)
+    return 0
+
+
+@pytest.mark.parametrize("edit", [tag_nodes, rename_module_stack])
+def test_a_stage_that_edits_node_metadata_of_its_input_program_fails(tmp_path, edit):
+    before = encode(captured_linear((), None, None)).digest
+    edited = captured_linear((), None, None)
+    edit((edited,), None, None)
+    assert encode(edited).digest != before  # the metadata is part of the artifact
+
+    p = Pipeline(name="meta")
+    p.register_stage(captured_linear, "capture", reads=())
+    p.register_stage(edit, "edit", reads=()).depends_on("capture")
+
+    with pytest.raises(StageError) as info:
+        p.run(None, cache=gb.Cache(tmp_path / "cache"))
+
+    assert info.value.stage == "edit" and isinstance(info.value.cause, InputMutationError)

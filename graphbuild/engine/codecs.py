@@ -33,6 +33,8 @@ __all__ = [
     "FileArtifact",
     "roundtrip",
     "snapshot",
+    "tensor_tokens",
+    "array_token",
     "codec_modules",
 ]
 
@@ -119,8 +121,11 @@ class Codec:
         raise NotImplementedError
 
     def snapshot(self, value: Any) -> Any:
-        """A cheap token of ``value``'s current contents: equal before and after a stage
-        runs unless the stage changed the value in place. None: the codec cannot tell."""
+        """A token of ``value``'s current contents: equal before and after a stage runs
+        unless the stage changed the value in place, by any means (the scheduler compares
+        them; DESIGN.md, invariant 9). Tensors and arrays count by a digest of their bytes,
+        not by a version counter that ``.data`` or a numpy view bypasses. Compared within
+        one process only, so identities may appear in it. None: the codec cannot tell."""
         return None
 
 
@@ -283,9 +288,25 @@ def tensor_part(tensor: torch.Tensor) -> tuple[dict[str, Any], Part]:
     return meta, Part(tensor_bytes(tensor))
 
 
+def tensor_tokens(tensors: Sequence[torch.Tensor]) -> list[tuple]:
+    """Tokens of the tensors' contents: they change whenever the values change, however
+    they were written (see ``engine.fingerprint.content_tokens``)."""
+    from graphbuild.engine.fingerprint import content_tokens
+
+    return content_tokens(tensors)
+
+
 def tensor_token(tensor: torch.Tensor) -> tuple:
-    """Changes when the tensor is written in place (torch's version counter) or replaced."""
-    return (id(tensor), tensor._version, tensor.data_ptr(), tuple(tensor.shape), str(tensor.dtype))
+    return tensor_tokens([tensor])[0]
+
+
+def array_token(array: Any) -> tuple:
+    """A numpy array's contents and layout (numpy keeps no version counter: only the bytes
+    tell whether a stage wrote into it)."""
+    import numpy as np
+
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return (digest_bytes(memoryview(flat)), str(array.dtype), tuple(array.shape))
 
 
 def _is_tensor(value: Any) -> bool:
@@ -348,7 +369,8 @@ class TensorDictCodec(Codec):
         }
 
     def snapshot(self, value: Any) -> Any:
-        return [(name, tensor_token(value[name])) for name in sorted(value)]
+        names = sorted(value)
+        return list(zip(names, tensor_tokens([value[n] for n in names]), strict=True))
 
 
 class SequenceCodec(Codec):

@@ -337,6 +337,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if t.is_quantized or t.layout != torch.strided:
         raise FingerprintError(f"cannot read the bytes of a {t.layout} / quantized tensor")
     flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # one element seen through a zero stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     return memoryview(flat.numpy())
@@ -353,6 +355,59 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     if tensor.device.type != "cpu" and tensor.numel() * tensor.element_size() > DEVICE_CHUNK:
         return _streamed_digest(tensor)
     return digest_bytes(tensor_bytes(tensor))
+
+
+def content_tokens(tensors: Sequence[torch.Tensor]) -> list[tuple]:
+    """A token of each tensor's contents: equal before and after a stage runs unless the
+    values it holds changed, however they were written (``add_``, through ``.data`` or a
+    numpy view, which torch's version counter does not see). A digest of the memory the
+    tensor reads (xxh3, several GB/s; big tensors on a thread per core) and its layout.
+
+    A zero-stride tensor (a placeholder) is read through its storage, which is one element;
+    a tensor with no memory to read (meta, sparse) is known by identity and version only."""
+    tokens: list[tuple | None] = [None] * len(tensors)
+    direct: list[int] = []
+    for i, t in enumerate(tensors):
+        layout = (str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        if t.layout != torch.strided or t.device.type == "meta" or t.is_quantized:
+            tokens[i] = ("opaque", id(t), t._version, t.data_ptr(), *layout)
+        elif t.is_contiguous():
+            direct.append(i)
+        else:
+            storage = t.untyped_storage()
+            view_bytes = t.numel() * t.element_size()
+            if storage.nbytes() <= view_bytes:  # expanded or overlapping: read the storage
+                whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                tokens[i] = ("storage", tensor_digest(whole), *layout)
+            else:
+                direct.append(i)
+    digests = tensor_digests([tensors[i] for i in direct])
+    for i, d in zip(direct, digests, strict=True):
+        t = tensors[i]
+        tokens[i] = ("values", d, str(t.dtype), tuple(t.shape))
+    return tokens  # type: ignore[return-value]
+
+
+def input_token(value: Any, *, full: bool = False) -> Any:
+    """A token of the pipeline input, to tell whether a stage changed it in place. For a
+    model: every parameter and buffer by identity, address and version counter (cheap,
+    whatever the model's size); with ``full``, also a digest of every tensor, which sees
+    writes through ``.data`` or numpy views too (check mode). Any other input: its
+    codec's token."""
+    if not isinstance(value, torch.nn.Module):
+        from graphbuild.engine.codecs import snapshot
+
+        return snapshot(value)
+    named = [*value.named_parameters(remove_duplicate=False)]
+    named += [*value.named_buffers(remove_duplicate=False)]
+    token: list[Any] = [
+        (n, id(t), t._version, t.data_ptr() if t.device.type != "meta" else 0)
+        for n, t in named
+        if t is not None
+    ]
+    if full:
+        token.append(state_digests(value).digest)
+    return token
 
 
 #: Bytes per device-to-host copy when hashing a tensor off the CPU.
@@ -384,6 +439,8 @@ def _streamed_digest(tensor: torch.Tensor) -> str:
     if t.is_quantized or t.layout != torch.strided:
         raise FingerprintError(f"cannot read the bytes of a {t.layout} / quantized tensor")
     flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # one element seen through a zero stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     staging = _staging_buffer(t.device)

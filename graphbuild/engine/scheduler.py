@@ -27,6 +27,7 @@ from graphbuild.engine.fingerprint import (
     Reading,
     code_closure,
     code_identity,
+    input_token,
     read_value,
     stage_code_version,
 )
@@ -182,7 +183,7 @@ class StageContext(Mapping[str, Any]):
         self._allowed = allowed
         self._declared = declared
         self._input = pipeline_input
-        self._input_allowed = input_allowed
+        self.input_allowed = input_allowed
         self.violation: UndeclaredReadError | None = None
 
     def _refuse(self, read: str) -> None:
@@ -220,7 +221,7 @@ class StageContext(Mapping[str, Any]):
     @property
     def input(self) -> Any:
         """The pipeline input (the model); only for stages that declare an input read."""
-        if not self._input_allowed:
+        if not self.input_allowed:
             self._refuse("input")
         return self._input
 
@@ -295,6 +296,17 @@ def plan_reads(pipeline: Pipeline, name: str, context: Mapping[str, Any]) -> tup
 
 
 _MISSING = {"missing": True}
+
+
+@dataclass(frozen=True)
+class _Token:
+    """What a stage was handed (an upstream output, the samples, the model) and a token of
+    its contents before the stage ran."""
+
+    source: str
+    what: str
+    value: Any
+    token: Any
 
 
 @dataclass
@@ -453,9 +465,10 @@ class _Run:
         t0 = time.perf_counter()
         try:
             inputs = self._inputs(name)
-            before = self._snapshots(name, inputs)
-            value = stage.fn(inputs, self.samples, self._context(name, stage, st.reads))
-            self._check_inputs(name, inputs, before)
+            ctx = self._context(name, stage, st.reads)
+            before = self._snapshots(name, inputs, ctx)
+            value = stage.fn(inputs, self.samples, ctx)
+            self._check_inputs(name, before)
             digest = encode(value).digest
         except InputMutationError as err:
             rec.status, rec.error = StageStatus.FAILED, str(err)
@@ -550,11 +563,11 @@ class _Run:
         ctx = self._context(name, stage, st.reads)
         t0 = time.perf_counter()
         try:
-            before = self._snapshots(name, inputs)
+            before = self._snapshots(name, inputs, ctx)
             value = stage.fn(inputs, self.samples, ctx)
             if ctx.violation is not None:  # read undeclared, then caught the error
                 raise ctx.violation
-            self._check_inputs(name, inputs, before)
+            self._check_inputs(name, before)
             encoded = encode(value)
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -577,29 +590,50 @@ class _Run:
         self._remember(name)
         self.emit(StageEvent(EventKind.RAN, name, key, rec.seconds, rec.reason))
 
-    def _snapshots(self, name: str, inputs: Any) -> list[Any] | None:
-        """Tokens of a stage's inputs (its upstream outputs) taken before it runs."""
-        if not self.pipeline.dependencies(name):
-            return None
-        return [snapshot(value) for value in inputs]
-
-    def _check_inputs(self, name: str, inputs: Any, before: list[Any] | None) -> None:
-        """Inputs are read-only (DESIGN.md, invariant 9): a stage that changed an upstream
-        output in place fails, naming itself and the upstream. In check mode every input is
-        also re-encoded and must still have the digest its upstream recorded."""
-        if before is None:
-            return
+    def _snapshots(self, name: str, inputs: Any, ctx: StageContext) -> list[_Token]:
+        """Tokens of what a stage is handed and must not change, taken before it runs: its
+        upstream outputs (their contents, bytes included), the sample inputs, and the model
+        when the stage can reach it (cheaply: tensor identities and version counters; in
+        check mode also a digest of every tensor)."""
         deps = self.pipeline.dependencies(name)
-        for dep, value, token in zip(deps, inputs, before, strict=True):
-            if token is not None and snapshot(value) != token:
-                raise InputMutationError(name, dep)
+        tokens = [  # a root stage's inputs are the model itself
+            _Token(dep, f"the output of '{dep}'", value, snapshot(value))
+            for dep, value in zip(deps, inputs if deps else (), strict=True)
+        ]
+        tokens.append(_Token("samples", "the sample inputs", self.samples, snapshot(self.samples)))
+        if not deps or ctx.input_allowed:
+            model = self.input
+            full = bool(self.check)
+            tokens.append(_Token("input", "the model", model, input_token(model, full=full)))
+        return tokens
+
+    def _check_inputs(self, name: str, before: list[_Token]) -> None:
+        """Inputs are read-only (DESIGN.md, invariant 9): a stage that changed what it was
+        handed in place fails, naming itself and what it changed. In check mode every
+        upstream output is also re-encoded and must still have the digest its upstream
+        recorded."""
+        full = bool(self.check)
+        for token in before:
+            if token.token is None:
+                continue
+            if token.source == "input":
+                now = input_token(token.value, full=full)
+            else:
+                now = snapshot(token.value)
+            if now != token.token:
+                raise InputMutationError(name, token.source, what=token.what)
         if not self.check:
             return
-        for dep, value in zip(deps, inputs, strict=True):
-            recorded = self.states[dep].record.digest
-            if encode(value).digest != recorded:
+        for token in before:
+            if token.source in ("input", "samples"):
+                continue
+            recorded = self.states[token.source].record.digest
+            if encode(token.value).digest != recorded:
                 raise InputMutationError(
-                    name, dep, "left its input with a different digest than it was given"
+                    name,
+                    token.source,
+                    "left its input with a different digest than it was given",
+                    what=token.what,
                 )
 
     def _context(self, name: str, stage: Stage, reads: tuple[str, ...]) -> StageContext:

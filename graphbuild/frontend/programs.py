@@ -19,7 +19,14 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from graphbuild.compat import deserialize_program, program_with_state, serialize_program_graph
-from graphbuild.engine.codecs import Codec, Encoded, Part, TensorDictCodec, register_codec
+from graphbuild.engine.codecs import (
+    Codec,
+    Encoded,
+    Part,
+    TensorDictCodec,
+    register_codec,
+    tensor_tokens,
+)
 from graphbuild.errors import CodecError
 from graphbuild.frontend import markers  # noqa: F401  - registers graphbuild::q for deserialization
 
@@ -133,8 +140,10 @@ def _without_volatile_meta(program: ExportedProgram) -> Iterator[None]:
 
 
 def program_token(program: ExportedProgram) -> Any:
-    """A cheap token of a program's graph, signature and tensors: equal before and after a
-    stage runs unless the stage edited the program in place."""
+    """A token of what the stored program holds: every node with the metadata torch's
+    serializer keeps (``custom``, ``nn_module_stack``, ``val``, ...), the signature, and the
+    contents of its tensors. Equal before and after a stage runs unless the stage edited
+    the program in place; compared within one process only."""
     nodes = [
         (
             node.name,
@@ -142,16 +151,40 @@ def program_token(program: ExportedProgram) -> Any:
             str(node.target),
             repr(torch.fx.node.map_arg(node.args, lambda a: a.name)),
             repr(torch.fx.node.map_arg(node.kwargs, lambda a: a.name)),
+            _meta_form({k: v for k, v in node.meta.items() if k not in _VOLATILE_META}),
         )
         for node in _all_nodes(program)
     ]
-    tensors = [
-        (name, id(t), t._version)
+    named = [
+        (name, t)
         for source in (program.state_dict, program.constants)
         for name, t in source.items()
         if isinstance(t, torch.Tensor)
     ]
-    return [nodes, sorted(tensors), repr(program.graph_signature), id(program.graph_module)]
+    tensors = list(zip([n for n, _ in named], tensor_tokens([t for _, t in named]), strict=True))
+    return [
+        nodes,
+        sorted(tensors, key=lambda nt: nt[0]),
+        repr(program.graph_signature),
+        repr(program.range_constraints),
+        repr(program.module_call_graph),
+        id(program.graph_module),
+    ]
+
+
+def _meta_form(value: Any, depth: int = 0) -> Any:
+    """Node metadata as plain values to compare: tensors (fake ones) by dtype and shape."""
+    if depth > 8:
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), str(list(value.shape)))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_meta_form(v, depth + 1) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((repr(k), _meta_form(v, depth + 1)) for k, v in value.items()))
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    return repr(value)
 
 
 class ProgramCodec(Codec):

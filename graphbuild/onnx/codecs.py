@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphbuild.engine.codecs import Codec, Encoded, Part, register_codec
+from graphbuild.engine.codecs import Codec, Encoded, Part, array_token, register_codec
 from graphbuild.engine.hashing import digest_bytes
 from graphbuild.onnx.bind import BoundModel
 
@@ -59,9 +59,9 @@ class BoundModelCodec(Codec):
         return BoundModel(model, tensors)
 
     def snapshot(self, value: BoundModel) -> Any:
-        # the graph in full; each array by identity and address (numpy keeps no version)
-        arrays = [(n, id(a), a.__array_interface__["data"][0]) for n, a in value.tensors.items()]
-        return [digest_bytes(value.model.SerializeToString(deterministic=True)), sorted(arrays)]
+        # the graph in full; each array by its bytes (numpy keeps no version counter)
+        arrays = [(n, array_token(value.tensors[n])) for n in sorted(value.tensors)]
+        return [digest_bytes(value.model.SerializeToString(deterministic=True)), arrays]
 
 
 def _dtype_name(array: np.ndarray) -> str:
