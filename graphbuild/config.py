@@ -368,7 +368,7 @@ class Config:
             builtin = target.presets
             if self.preset in builtin:
                 return self.preset  # known without importing torchao
-            from graphbuild.frontend.quantize import QUANTIZER_PRESETS
+            from graphbuild.frontend.presets import QUANTIZER_PRESETS
 
             known = {*builtin, *QUANTIZER_PRESETS}
             if self.preset not in known:

@@ -633,3 +633,51 @@ def test_a_stage_that_edits_node_metadata_of_its_input_program_fails(tmp_path, e
         p.run(None, cache=gb.Cache(tmp_path / "cache"))
 
     assert info.value.stage == "edit" and isinstance(info.value.cause, InputMutationError)
+
+
+def test_the_quantizer_preset_registry_reads_the_same_whatever_was_imported_before():
+    code = textwrap.dedent(
+        """
+        import sys
+        import graphbuild.frontend
+        from graphbuild.engine.fingerprint import read_registry
+        first = read_registry("quantizer_presets").digest
+        print("TORCHAO", "torchao" in sys.modules)
+        import graphbuild.targets.qnn.pipeline  # registers the QNN presets
+        print("SAME", read_registry("quantizer_presets").digest == first)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SAME True" in done.stdout
+    assert "TORCHAO False" in done.stdout  # reading the registry imports no torchao
+
+
+def test_a_replaced_builtin_preset_changes_the_registry_reading():
+    from graphbuild.engine.fingerprint import read_registry
+    from graphbuild.frontend.presets import load_builtin_presets
+
+    load_builtin_presets()
+    before = read_registry("quantizer_presets").digest
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(QUANTIZER_PRESETS, "w8a8", QUANTIZER_PRESETS["w4a16"])
+        replaced = read_registry("quantizer_presets").digest
+    assert replaced != before
+    assert read_registry("quantizer_presets").digest == before
+
+
+def test_a_preset_registered_before_the_builtins_load_keeps_its_name(monkeypatch):
+    from graphbuild.frontend import presets
+
+    def mine():
+        return QUANTIZER_PRESETS["w4a16"]()
+
+    presets.load_builtin_presets()
+    monkeypatch.setattr(presets, "_BUILTIN_FACTORIES", {})
+    monkeypatch.setattr(presets, "QUANTIZER_PRESETS", {"w8a8": mine})
+
+    presets.register_preset("w8a8", QUANTIZER_PRESETS["w8a8"])  # a built-in, loaded late
+
+    assert presets.QUANTIZER_PRESETS["w8a8"] is mine

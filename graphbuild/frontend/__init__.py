@@ -11,14 +11,15 @@ def _recognizers() -> tuple:
 
 
 def _quantizer_presets() -> dict:
-    from graphbuild.frontend.quantize import QUANTIZER_PRESETS
+    from graphbuild.frontend.presets import preset_entries
 
-    return dict(QUANTIZER_PRESETS)
+    return preset_entries()
 
 
 # What the front end's stages consult besides their inputs, as reads a stage declares
 # ("registry.recognizers" for normalize, "registry.quantizer_presets" for quantize): the code
 # and configuration of every entry are part of their keys. Read lazily: a warm run that never
-# normalizes need not import the recognisers before it computes a key.
+# normalizes need not import the recognisers before it computes a key, nor torchao for the
+# built-in presets (see frontend.presets).
 register_registry("recognizers", _recognizers)
 register_registry("quantizer_presets", _quantizer_presets)

@@ -9,7 +9,7 @@ other quantizer.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch.fx import GraphModule
@@ -18,6 +18,7 @@ from torchao.quantization.pt2e.quantizer import Quantizer
 
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.frontend.devices import HostState, to_device
+from graphbuild.frontend.presets import QUANTIZER_PRESETS, load_builtin_presets, register_preset
 
 __all__ = [
     "QUANTIZER_PRESETS",
@@ -27,15 +28,6 @@ __all__ = [
     "resolve_attr",
     "resolve_quantizer",
 ]
-
-#: Preset name -> factory of a torchao Quantizer. Targets register their presets here (the QNN
-#: target registers w8a8, w8a16, w4a16); the front end resolves names without knowing targets.
-QUANTIZER_PRESETS: dict[str, Callable[[], Quantizer]] = {}
-
-
-def register_preset(name: str, factory: Callable[[], Quantizer]) -> None:
-    """Make ``name`` usable wherever a quantizer is accepted (config, CLI, API)."""
-    QUANTIZER_PRESETS[name] = factory
 
 
 def resolve_attr(model: torch.nn.Module, target: str) -> object:
@@ -84,12 +76,14 @@ def quantize_program(
 def resolve_quantizer(quantizer: str | Quantizer) -> Quantizer:
     """A torchao Quantizer from a preset name or an instance; anything else is a ConfigError."""
     if isinstance(quantizer, str):
+        load_builtin_presets()
         if quantizer not in QUANTIZER_PRESETS:
             known = ", ".join(QUANTIZER_PRESETS)
             raise ConfigError(f"unknown quantizer preset {quantizer!r}; known presets: {known}")
         return QUANTIZER_PRESETS[quantizer]()
     if isinstance(quantizer, Quantizer):
         return quantizer
+    load_builtin_presets()
     raise ConfigError(
         f"quantizer must be a preset name ({', '.join(QUANTIZER_PRESETS)}) or a "
         f"torchao.quantization.pt2e.quantizer.Quantizer instance, got {type(quantizer).__name__}"

@@ -2,7 +2,8 @@
 (``onnx_qdq``), built from the shared torch.export front end.
 
 Importing this package declares the target and nothing more (no torch, no torchao): the
-pipeline module, which registers the quantizer presets, is imported when a pipeline is built.
+pipeline module is imported when a pipeline is built, and the preset module (torchao) when
+a preset is first resolved (``frontend.presets``), never to compute a key.
 """
 
 from __future__ import annotations

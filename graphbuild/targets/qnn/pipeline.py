@@ -25,7 +25,6 @@ from graphbuild.frontend.programs import ProgramArtifact, strip_state
 from graphbuild.frontend.quantmap import QuantMap, QuantValues
 from graphbuild.frontend.reference import reference_from_model, reference_from_program
 from graphbuild.targets.base import Request, coerce_options
-from graphbuild.targets.qnn import preset as _preset  # noqa: F401  - registers the presets
 from graphbuild.targets.qnn.options import FORMATS, QnnOnnxOptions
 
 # --------------------------------------------------------------------------- stages
