@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -681,3 +683,169 @@ def test_a_preset_registered_before_the_builtins_load_keeps_its_name(monkeypatch
     presets.register_preset("w8a8", QUANTIZER_PRESETS["w8a8"])  # a built-in, loaded late
 
     assert presets.QUANTIZER_PRESETS["w8a8"] is mine
+
+
+def on_forward(module, args, output):
+    return None
+
+
+def hooked() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    model[0].register_forward_hook(on_forward, with_kwargs=False, always_call=True)
+    model[1].register_forward_pre_hook(lambda m, args: None)
+    return model
+
+
+def test_forward_hooks_reach_the_structure_without_their_handle_ids():
+    first = structure_fingerprint(hooked()).digest
+    for _ in range(3):  # hook handles come from one global counter
+        nn.Linear(1, 1).register_forward_hook(on_forward)
+
+    assert structure_fingerprint(hooked()).digest == first
+    plain = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert structure_fingerprint(plain).digest != first  # the hooks themselves still count
+
+
+class TracedInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+
+    def forward(self, x):
+        return self.g(x)
+
+
+def test_weights_of_a_graph_module_inside_the_model_are_state_not_structure():
+    torch.manual_seed(0)
+    model = TracedInside()
+    before = structure_fingerprint(model).digest
+
+    with torch.no_grad():
+        model.g.get_submodule("0").weight.add_(1.0)
+
+    assert structure_fingerprint(model).digest == before
+
+
+def test_a_graph_module_with_many_nodes_has_a_structure_fingerprint():
+    torch.manual_seed(0)
+    layers = [m for _ in range(10) for m in (nn.Linear(2, 2), nn.ReLU())]
+    model = nn.Sequential(torch.fx.symbolic_trace(nn.Sequential(*layers)))
+
+    assert structure_fingerprint(model).digest  # no "nested too deep" along the node list
+
+
+def test_a_torchao_quantizer_object_has_a_fingerprint_that_follows_its_preset():
+    from graphbuild.engine.fingerprint import read_value
+    from graphbuild.targets.qnn.preset import QnnQuantizer
+
+    w8a16, again, w8a8 = (read_value(QnnQuantizer(p)) for p in ("w8a16", "w8a16", "w8a8"))
+
+    assert w8a16.digest is not None, w8a16.reason
+    assert w8a16.digest == again.digest != w8a8.digest
+    assert fingerprint(torch.per_tensor_affine) != fingerprint(torch.per_channel_symmetric)
+
+
+class Scaler:
+    def __init__(self, k):
+        self.k = k
+
+    def scale(self, x):
+        return x * self.k
+
+
+class WithExtra(nn.Module):
+    def __init__(self, extra):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.extra = extra
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _double(x):
+    return 2 * x
+
+
+def _triple(x):
+    return 3 * x
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        (Scaler(1).scale, Scaler(2).scale),  # a bound method: its object counts
+        (functools.lru_cache(_double), functools.lru_cache(_triple)),  # the wrapped function
+        (staticmethod(_double), staticmethod(_triple)),
+    ],
+    ids=["bound-method", "lru-cache", "staticmethod"],
+)
+def test_callables_held_as_attributes_fingerprint_what_they_call(one, other):
+    def digest(extra):
+        torch.manual_seed(0)
+        return structure_fingerprint(WithExtra(extra)).digest
+
+    assert digest(one) != digest(other)
+
+
+def test_a_stage_that_is_a_bound_method_keys_on_its_object():
+    assert callable_version(Scaler(1).scale) != callable_version(Scaler(2).scale)
+
+
+def test_a_user_module_held_as_an_attribute_is_fingerprinted_by_its_source(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "gb_ops_helper.py").write_text("def act(x):\n    return x.relu()\n")
+    importlib.invalidate_caches()
+    ops = importlib.import_module("gb_ops_helper")
+    monkeypatch.setitem(sys.modules, "gb_ops_helper", ops)
+    before = fingerprint(ops)
+
+    (tmp_path / "gb_ops_helper.py").write_text("def act(x):\n    return x.sigmoid()\n")
+
+    assert fingerprint(ops) != before
+
+
+class Box:
+    """Sample inputs in a container whose pytree context has no repr of its own."""
+
+    def __init__(self, x):
+        self.x = x
+
+
+class Opaque:
+    pass
+
+
+torch.utils._pytree.register_pytree_node(
+    Box, lambda box: ([box.x], Opaque()), lambda children, context: Box(children[0])
+)
+
+
+def test_a_repr_that_holds_an_address_is_refused_not_fingerprinted():
+    from graphbuild.engine.fingerprint import InputFacets
+
+    reading = InputFacets(None, (Box(torch.ones(2)),)).read("samples.spec")
+
+    assert reading.digest is None
+    assert "memory address" in reading.reason
+
+
+class Runner:
+    def __init__(self):
+        self.how = threading.Lock()  # nothing to fingerprint it by
+
+    def run(self, inputs, samples, ctx):
+        return 1
+
+
+def test_a_stage_whose_code_cannot_be_fingerprinted_reruns_with_the_reason(tmp_path):
+    p = Pipeline(name="bound")
+    p.register_stage(Runner().run, "run", reads=())
+    cache = gb.Cache(tmp_path / "cache")
+    p.run(None, cache=cache)
+    report = p.run(None, cache=cache).report
+
+    assert report.statuses == {"run": "ran"}
+    assert "cannot be cached" in report["run"].reason and "lock" in report["run"].reason

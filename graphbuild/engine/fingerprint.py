@@ -19,6 +19,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import sysconfig
 import textwrap
@@ -58,7 +59,12 @@ _MAX_DEPTH = 12
 class _Walk:
     """State of one recursive fingerprint: cycle guard and the path for error messages."""
 
-    def __init__(self, state_names: Mapping[int, str] | None = None, model: bool = False) -> None:
+    def __init__(
+        self,
+        state_names: Mapping[int, str] | None = None,
+        module_names: Mapping[int, str] | None = None,
+        model: bool = False,
+    ) -> None:
         self.active: set[int] = set()
         # walking a model's structure: where its tensors live is not structure (see torch.device)
         self.model = model
@@ -67,6 +73,10 @@ class _Walk:
         # an attribute holding one (nn.LSTM's _flat_weights) is structure by name, its values
         # are the state facet's
         self.state_names: Mapping[int, str] = state_names or {}
+        # the model's own submodules: an attribute reaching one (a traced GraphModule's
+        # graph refers to its owner, a bound method to its module) names it; its structure
+        # and weights are fingerprinted where the tree holds it
+        self.module_names: Mapping[int, str] = module_names or {}
 
     def child(self, label: str, value: Any) -> Any:
         if len(self.path) > _MAX_DEPTH:
@@ -118,11 +128,7 @@ def fingerprint_type(value: Any, walk: _Walk) -> Any:
         return {
             "object": _qualname(cls),
             "code": code_fingerprint([cls]),
-            "attrs": {
-                k: walk.child(k, v)
-                for k, v in sorted(state.items())
-                if not k.startswith("__") and k not in skip
-            },
+            "attrs": {k: walk.child(k, v) for k, v in sorted(state.items()) if k not in skip},
         }
     slots = _slot_values(value)
     if slots is not None:
@@ -236,6 +242,7 @@ def _(value: torch.device, walk: _Walk) -> Any:
 
 
 @fingerprint_type.register(torch.dtype)
+@fingerprint_type.register(torch.qscheme)
 @fingerprint_type.register(torch.memory_format)
 @fingerprint_type.register(torch.layout)
 def _(value: Any, walk: _Walk) -> Any:
@@ -269,15 +276,37 @@ def _(value: weakref.ref, walk: _Walk) -> Any:
 
 @fingerprint_type.register(types.ModuleType)
 def _(value: types.ModuleType, walk: _Walk) -> Any:
-    return {"module": value.__name__}
+    # a module's code is its source files (an installed library: its version)
+    return {"module": value.__name__, "files": _files_of(value.__name__)}
 
 
 @fingerprint_type.register(types.FunctionType)
-@fingerprint_type.register(types.BuiltinFunctionType)
-@fingerprint_type.register(types.MethodType)
 @fingerprint_type.register(functools.partial)
 def _(value: Any, walk: _Walk) -> Any:
     return {"function": callable_version(value)}
+
+
+@fingerprint_type.register(types.MethodType)
+def _(value: types.MethodType, walk: _Walk) -> Any:
+    # a bound method calls its function with its object: both are what it computes
+    return {
+        "function": callable_version(value.__func__),
+        "self": walk.child("__self__", value.__self__),
+    }
+
+
+@fingerprint_type.register(types.BuiltinFunctionType)
+def _(value: Any, walk: _Walk) -> Any:
+    owner = getattr(value, "__self__", None)
+    if owner is None or isinstance(owner, types.ModuleType):  # a plain builtin function
+        return {"function": callable_version(value)}
+    return {"builtin method": value.__name__, "self": walk.child("__self__", owner)}
+
+
+@fingerprint_type.register(staticmethod)
+@fingerprint_type.register(classmethod)
+def _(value: Any, walk: _Walk) -> Any:
+    return {type(value).__name__: walk.child("__func__", value.__func__)}
 
 
 # Ids of the modules and callables being fingerprinted: a module reachable from its own
@@ -294,10 +323,42 @@ _ACTIVE = _ActiveIds()
 
 @fingerprint_type.register(torch.nn.Module)
 def _(value: torch.nn.Module, walk: _Walk) -> Any:
+    name = walk.module_names.get(id(value))
+    if name is not None:  # one of the model's own submodules: by its place in the tree
+        return {"submodule": name}
     # A module held as an option (not the pipeline input): its structure and its values.
     if id(value) in _ACTIVE.ids:
         return {"module-cycle": _qualname(type(value))}
     return {"module": structure_fingerprint(value).digest, "state": state_digests(value).digest}
+
+
+@fingerprint_type.register(torch.fx.Graph)
+def _(value: torch.fx.Graph, walk: _Walk) -> Any:
+    # node by node, arguments by node name: walking the nodes' own attributes would follow
+    # their linked list (and the owning module, which is the model's by name)
+    nodes = []
+    for i, node in enumerate(value.nodes):
+        target = node.target if isinstance(node.target, str) else walk.child(f"[{i}]", node.target)
+        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _NodeRef(n.name))
+        nodes.append([node.name, node.op, target, walk.child(f"[{i}].args", args)])
+    return {"fx_graph": nodes, "owner": walk.child("owning_module", value.owning_module)}
+
+
+@fingerprint_type.register(torch._ops.OpOverload)
+@fingerprint_type.register(torch._ops.OpOverloadPacket)
+def _(value: Any, walk: _Walk) -> Any:
+    return {"op": str(value)}
+
+
+@dataclass(frozen=True)
+class _NodeRef:
+    name: str
+
+
+@fingerprint_type.register(torch.utils.hooks.RemovableHandle)
+def _(value: Any, walk: _Walk) -> Any:
+    # its id comes from a global counter; the hook it removes is in the module's hook dict
+    return {"hook handle": None}
 
 
 try:
@@ -318,6 +379,25 @@ try:
 
 except ImportError:  # pragma: no cover - numpy ships with torch
     pass
+
+
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
+
+
+def stable_text(text: str, what: str) -> str:
+    """``text`` (a ``repr`` or ``str`` graphbuild made of a value) if it is the same in
+    every process; one holding a memory address (``<Foo object at 0x7f...>``) is refused:
+    it differs per process (a needless rerun) and says nothing about the value's contents
+    (a stale hit, were the address ignored)."""
+    found = _ADDRESS.search(text)
+    if found is not None:
+        shown = text if len(text) <= 120 else text[:117] + "..."
+        raise FingerprintError(
+            f"cannot fingerprint {what}: its text form holds a memory address "
+            f"({found.group()}), which differs in every process: {shown}. Give the object a "
+            "repr of its contents, or register a fingerprint for its type"
+        )
+    return text
 
 
 def _qualname(cls: type) -> str:
@@ -535,6 +615,30 @@ _SKIP_ATTRS = {
 }
 
 
+def _hooks(module: torch.nn.Module, walk: _Walk) -> tuple[dict[str, Any], set[str]]:
+    """A module's hooks (``_forward_hooks`` ...) as ordered lists of callables, each with the
+    flags its companion dicts (``_forward_hooks_with_kwargs`` ...) give it: the dicts are keyed
+    by handle ids from a global counter, which depend on everything registered before.
+    Returns the forms of the non-empty hook dicts and the names of all hook attributes."""
+    state = vars(module)
+    hook_dicts = [k for k, v in state.items() if k.endswith("hooks") and isinstance(v, dict)]
+    flags = {
+        k: v
+        for k, v in state.items()
+        if isinstance(v, dict) and any(k.startswith(h + "_") for h in hook_dicts)
+    }
+    forms: dict[str, Any] = {}
+    for name in hook_dicts:
+        if name in _SKIP_ATTRS or not state[name]:
+            continue
+        marks = {f[len(name) + 1 :]: d for f, d in flags.items() if f.startswith(name + "_")}
+        forms[name] = [
+            [walk.child(f"{name}[{i}]", hook), sorted(m for m, d in marks.items() if handle in d)]
+            for i, (handle, hook) in enumerate(state[name].items())
+        ]
+    return forms, {*hook_dicts, *flags}
+
+
 def structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
     """Class, non-tensor attributes, parameter/buffer names, shapes and dtypes of every
     submodule, plus the code of their classes. Raises FingerprintError naming the attribute
@@ -554,18 +658,21 @@ def _structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
         *module.named_buffers(remove_duplicate=False)
     ]:
         state_names.setdefault(id(t), name)
+    module_names: dict[int, str] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        module_names.setdefault(id(sub), name or "<root>")
     for name, sub in module.named_modules(remove_duplicate=False):
         classes.append(type(sub))
-        walk = _Walk(state_names, model=True)
+        walk = _Walk(state_names, module_names, model=True)
         walk.path.append(name or "<root>")
-        attrs = {}
         skip = volatile_attributes(type(sub))
+        hooks, hook_attrs = _hooks(sub, walk)
+        attrs = {}
         for k, v in sorted(vars(sub).items()):
-            if k in _SKIP_ATTRS or k in skip:
-                continue
-            if isinstance(v, dict) and k.startswith("_") and k.endswith("hooks") and not v:
+            if k in _SKIP_ATTRS or k in skip or k in hook_attrs:
                 continue
             attrs[k] = walk.child(k, v)
+        attrs.update(hooks)
         entry = {
             "class": _qualname(type(sub)),
             "attrs": attrs,
@@ -834,6 +941,9 @@ def _callable_version(fn: Callable) -> str:
         return digest_json(
             [callable_version(fn.func), fingerprint(list(fn.args)), fingerprint(fn.keywords)]
         )
+    if isinstance(fn, types.MethodType) and not isinstance(fn.__self__, type):
+        # a bound method: its function, and the object it is bound to
+        return digest_json([callable_version(fn.__func__), fingerprint(fn.__self__)])
     target = getattr(fn, "__func__", fn)
     module_name = getattr(target, "__module__", None) or ""
     path = _module_file(module_name)
@@ -849,7 +959,8 @@ def _callable_version(fn: Callable) -> str:
     except (OSError, TypeError):
         code = getattr(target, "__code__", None)
         if code is None:
-            return f"builtin:{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+            name = getattr(target, "__qualname__", None) or stable_text(repr(target), "a builtin")
+            return f"builtin:{getattr(target, '__module__', '')}.{name}"
         source = _code_form(code)
     parts: list[Any] = [source]
     defaults = getattr(target, "__defaults__", None)
@@ -883,7 +994,7 @@ def _const_form(value: Any) -> Any:
         return {"float": value.hex()}
     if isinstance(value, (str, int, bool, type(None))):
         return value
-    return {type(value).__name__: repr(value)}  # bytes, complex, Ellipsis
+    return {type(value).__name__: stable_text(repr(value), "a code constant")}
 
 
 def _closure_value(cell: types.CellType) -> Any:
@@ -1126,7 +1237,7 @@ def _samples_spec(samples: Any) -> Reading:
             shown.append(f"{str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}")
         else:
             shown.append(fingerprint(leaf))
-    value = [str(spec), shown]
+    value = [stable_text(str(spec), "the sample inputs' pytree spec"), shown]
     return Reading(digest_json(value), shown if len(shown) <= 8 else _short(value))
 
 

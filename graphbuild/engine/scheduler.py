@@ -36,6 +36,7 @@ from graphbuild.engine.key import stage_key
 from graphbuild.engine.pipeline import UNKEYED_INPUT
 from graphbuild.engine.status import StageStatus
 from graphbuild.errors import (
+    FingerprintError,
     FingerprintMismatchError,
     GraphbuildError,
     InputMutationError,
@@ -318,6 +319,7 @@ class _State:
     value: Any = None
     has_value: bool = False
     code: str = ""
+    code_error: str | None = None
     upstream: list[str] = field(default_factory=list)
     last: dict[str, Any] | None = None  # the explain record of its previous run, once read
     last_read: bool = False
@@ -377,20 +379,24 @@ class _Run:
     def compute_key(self, name: str) -> str | None:
         st = self.states[name]
         stage = self.pipeline._stage(name)
-        st.code = stage.version if stage.version is not None else self._code_version(stage)
+        st.code, st.code_error = self._code_version(stage)
         st.readings = {r: self.reading(r) for r in st.reads if r != UNKEYED_INPUT}
         st.upstream = [self.states[d].record.digest or "" for d in self.pipeline.dependencies(name)]
-        if any(r.digest is None for r in st.readings.values()):
+        if st.code_error is not None or any(r.digest is None for r in st.readings.values()):
             return None
         reads = {r: rd.digest for r, rd in st.readings.items()}
         return stage_key(name, st.code, reads, st.upstream, self.toolchain)
 
     @staticmethod
-    def _code_version(stage: Stage) -> str:
+    def _code_version(stage: Stage) -> tuple[str, str | None]:
+        """(code version, None), or ("", why) when the stage's code cannot be fingerprinted:
+        then it always reruns, with the reason, never a stale hit."""
+        if stage.version is not None:
+            return stage.version, None
         try:
-            return stage_code_version(stage.fn)
-        except GraphbuildError as err:
-            raise GraphbuildError(f"stage '{stage.name}': {err}") from err
+            return stage_code_version(stage.fn), None
+        except FingerprintError as err:
+            return "", f"its code: {err}"
 
     # ----------------------------------------------------------------- main loop
 
@@ -697,7 +703,8 @@ class _Run:
             return reason, []
         st = self.states[name]
         if key is None:
-            why = [rd.reason for rd in st.readings.values() if rd.digest is None]
+            why = [st.code_error] if st.code_error else []
+            why += [rd.reason for rd in st.readings.values() if rd.digest is None]
             return f"cannot be cached: {why[0]}", []
         if self._forced(name):
             return "forced", []
