@@ -645,7 +645,7 @@ def test_the_quantizer_preset_registry_reads_the_same_whatever_was_imported_befo
         from graphbuild.engine.fingerprint import read_registry
         first = read_registry("quantizer_presets").digest
         print("TORCHAO", "torchao" in sys.modules)
-        import graphbuild.targets.qnn.pipeline  # registers the QNN presets
+        import graphbuild.targets.qnn.preset  # registers the QNN presets
         print("SAME", read_registry("quantizer_presets").digest == first)
         """
     )
@@ -659,9 +659,8 @@ def test_the_quantizer_preset_registry_reads_the_same_whatever_was_imported_befo
 
 def test_a_replaced_builtin_preset_changes_the_registry_reading():
     from graphbuild.engine.fingerprint import read_registry
-    from graphbuild.frontend.presets import load_builtin_presets
+    from graphbuild.targets.qnn import preset  # noqa: F401  - registers the QNN presets
 
-    load_builtin_presets()
     before = read_registry("quantizer_presets").digest
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(QUANTIZER_PRESETS, "w8a8", QUANTIZER_PRESETS["w4a16"])
@@ -670,13 +669,20 @@ def test_a_replaced_builtin_preset_changes_the_registry_reading():
     assert read_registry("quantizer_presets").digest == before
 
 
+def test_the_qnn_quantize_stage_keys_on_the_builtin_presets_it_loads():
+    from graphbuild.targets.qnn import pipeline
+
+    assert "graphbuild.targets.qnn.preset" in function_files(pipeline.quantize)
+    assert "graphbuild.targets.qnn.preset" not in function_files(pipeline.capture)
+
+
 def test_a_preset_registered_before_the_builtins_load_keeps_its_name(monkeypatch):
     from graphbuild.frontend import presets
+    from graphbuild.targets.qnn import preset  # noqa: F401  - registers the QNN presets
 
     def mine():
         return QUANTIZER_PRESETS["w4a16"]()
 
-    presets.load_builtin_presets()
     monkeypatch.setattr(presets, "_BUILTIN_FACTORIES", {})
     monkeypatch.setattr(presets, "QUANTIZER_PRESETS", {"w8a8": mine})
 
@@ -849,3 +855,113 @@ def test_a_stage_whose_code_cannot_be_fingerprinted_reruns_with_the_reason(tmp_p
 
     assert report.statuses == {"run": "ran"}
     assert "cannot be cached" in report["run"].reason and "lock" in report["run"].reason
+
+
+def test_a_stage_keys_on_a_helper_module_it_reaches_through_a_module_level_alias(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "gb_alias_helper.py").write_text("def scale():\n    return 2\n")
+    (tmp_path / "gb_alias_stage.py").write_text(
+        "import gb_alias_helper as _h\n\nscale = _h.scale\n\n\n"
+        "def stage(inputs, samples, ctx):\n    return scale()\n"
+    )
+    importlib.invalidate_caches()
+    module = importlib.import_module("gb_alias_stage")
+    monkeypatch.setitem(sys.modules, "gb_alias_stage", module)
+    monkeypatch.setitem(sys.modules, "gb_alias_helper", sys.modules["gb_alias_helper"])
+    before = function_files(module.stage)
+    assert "gb_alias_helper" in before
+
+    (tmp_path / "gb_alias_helper.py").write_text("def scale():\n    return 3  # edited\n")
+
+    assert function_files(module.stage) != before
+
+
+def test_a_stage_keys_on_helpers_it_reaches_through_a_class_and_a_decorated_function(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "gb_cls_helper.py").write_text("def scale():\n    return 2\n")
+    (tmp_path / "gb_deco_helper.py").write_text("def shift():\n    return 1\n")
+    (tmp_path / "gb_cls_stage.py").write_text(
+        textwrap.dedent(
+            """
+            import functools
+
+            import gb_cls_helper
+            import gb_deco_helper
+
+
+            class Scaler:
+                def value(self):
+                    return gb_cls_helper.scale()
+
+
+            @functools.lru_cache
+            def shifted():
+                return gb_deco_helper.shift()
+
+
+            def stage(inputs, samples, ctx):
+                return Scaler().value() + shifted()
+            """
+        )
+    )
+    importlib.invalidate_caches()
+    module = importlib.import_module("gb_cls_stage")
+    monkeypatch.setitem(sys.modules, "gb_cls_stage", module)
+
+    reached = function_files(module.stage)
+
+    assert {"gb_cls_helper", "gb_deco_helper"} <= set(reached)
+
+
+def test_the_onnx_codec_version_covers_what_encode_and_decode_use_not_bind_or_save():
+    from graphbuild.engine.scheduler import codec_files
+
+    onnx_files = codec_files("onnx")
+    bound_files = codec_files("bound_onnx")
+
+    assert "graphbuild.onnx.codecs" in onnx_files
+    assert "graphbuild.onnx.bind" not in onnx_files
+    assert "graphbuild.onnx.save" not in onnx_files
+    assert "graphbuild.onnx.bind" in bound_files  # BoundModel is defined there
+    assert "graphbuild.onnx.save" not in bound_files
+
+
+def test_key_computation_reuses_code_closures_and_still_sees_edits(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "gb_memo_helper.py").write_text("def scale():\n    return 2\n")
+    (tmp_path / "gb_memo_stage.py").write_text(
+        "from gb_memo_helper import scale\n\n\ndef stage(inputs, samples, ctx):\n"
+        "    return scale()\n"
+    )
+    importlib.invalidate_caches()
+    module = importlib.import_module("gb_memo_stage")
+    monkeypatch.setitem(sys.modules, "gb_memo_stage", module)
+    monkeypatch.setitem(sys.modules, "gb_memo_helper", sys.modules["gb_memo_helper"])
+    first = function_files(module.stage)
+    looked_up = []
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda *a: looked_up.append(a) or real(*a))
+
+    assert function_files(module.stage) == first
+    assert looked_up == []  # the second key computation finds no module spec again
+
+    (tmp_path / "gb_memo_helper.py").write_text("def scale():\n    return 3  # edited\n")
+    assert function_files(module.stage) != first
+
+
+def make_stage(scale):
+    def stage(inputs, samples, ctx, *, scale=scale):
+        return scale
+
+    return stage
+
+
+def test_a_stage_keys_on_its_keyword_only_defaults():
+    assert callable_version(make_stage(2)) != callable_version(make_stage(3))

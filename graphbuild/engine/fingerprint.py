@@ -9,31 +9,33 @@ naming the value's path; callers turn that into "always rerun, because ...", nev
 
 from __future__ import annotations
 
-import ast
-import collections
 import dataclasses
 import enum
 import functools
-import importlib.machinery
-import importlib.metadata
-import importlib.util
 import inspect
 import os
 import re
 import sys
-import sysconfig
-import textwrap
 import threading
 import types
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path, PurePath
+from pathlib import PurePath
 from typing import Any
 
 import torch
 
+from graphbuild.engine.closure import (
+    code_closure,
+    file_digest,
+    find_file,
+    function_files,
+    is_library,
+    is_own,
+    library_version,
+)
 from graphbuild.engine.hashing import Hasher, digest_bytes, digest_json
 from graphbuild.engine.pipeline import FACETS
 from graphbuild.errors import FingerprintError
@@ -696,197 +698,6 @@ def _structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
 # --------------------------------------------------------------------------- code
 
 
-@functools.cache
-def _library_roots() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
-    return tuple(sorted(os.path.realpath(r) + os.sep for r in roots))
-
-
-def _is_library(path: str) -> bool:
-    real = os.path.realpath(path)
-    return real.startswith(_library_roots()) or "site-packages" in real or "dist-packages" in real
-
-
-@functools.cache
-def _distributions() -> Mapping[str, list[str]]:
-    return importlib.metadata.packages_distributions()
-
-
-@functools.cache
-def _library_version(module_name: str) -> str:
-    top = module_name.split(".")[0]
-    if top in sys.stdlib_module_names or top == "builtins":
-        return f"python {sys.version.split()[0]}"
-    try:  # the common case, import name == distribution name: no scan of every package
-        return f"{top} {importlib.metadata.version(top)}"
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        pass
-    dists = _distributions().get(top, [])
-    versions = []
-    for dist in dists:
-        try:
-            versions.append(f"{dist} {importlib.metadata.version(dist)}")
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return ", ".join(sorted(versions)) or f"{top} (unversioned)"
-
-
-_file_cache: dict[tuple[str, int, int], str] = {}
-
-
-def _file_digest(path: str) -> str:
-    st = os.stat(path)
-    ident = (path, st.st_mtime_ns, st.st_size)
-    if ident not in _file_cache:
-        _file_cache[ident] = digest_bytes(Path(path).read_bytes())
-    return _file_cache[ident]
-
-
-def _is_own(name: str) -> bool:
-    """graphbuild's own modules: covered by its version in a model's closure, never by
-    following them (what a script's ``import graphbuild`` has loaded so far must not matter)."""
-    return name == "graphbuild" or name.startswith("graphbuild.")
-
-
-@functools.cache
-def _graphbuild_version() -> str:
-    try:
-        return f"graphbuild {importlib.metadata.version('graphbuild')}"
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - always installed
-        return "graphbuild (unversioned)"
-
-
-def _find_file(name: str) -> str | None:
-    """The source file of module ``name``, found on disk without importing anything;
-    ``sys.modules`` is consulted first (``__main__``, a module built in memory exist nowhere
-    else, and a loaded module's file is the one found on disk anyway)."""
-    module = sys.modules.get(name)
-    if module is not None:
-        path = getattr(module, "__file__", None)
-    else:
-        spec = _find_spec(name)
-        path = getattr(spec, "origin", None) if spec is not None else None
-    if not path or not os.path.exists(path):
-        return None
-    return path
-
-
-@functools.cache
-def _is_library_package(top: str) -> bool:
-    """Whether a top-level module or package (a namespace package too) is installed."""
-    module = sys.modules.get(top)
-    if module is not None:
-        places = [getattr(module, "__file__", None), *getattr(module, "__path__", ())]
-    else:
-        spec = _find_spec(top)
-        if spec is None:
-            return False
-        places = [spec.origin, *(spec.submodule_search_locations or ())]
-    return any(p and os.path.exists(p) and _is_library(p) for p in places)
-
-
-def _find_spec(name: str) -> Any:
-    top, *rest = name.split(".")
-    try:
-        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
-    except (ImportError, ValueError):
-        return None
-    prefix = top
-    for part in rest:
-        parent = sys.modules.get(prefix)
-        if parent is not None:
-            locations = getattr(parent, "__path__", None)
-        else:
-            locations = spec.submodule_search_locations if spec is not None else None
-        if not locations:
-            return None
-        prefix = f"{prefix}.{part}"
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(prefix, list(locations))
-        except (ImportError, ValueError, KeyError):  # a namespace path whose parent is gone
-            return None
-        if spec is None:
-            return None
-    return spec
-
-
-def _static_imports(path: str, name: str) -> tuple[str, ...]:
-    """Every module the source file at ``path`` (module ``name``) imports, wherever the import
-    statement is (top level or inside a function): a function of the file's text alone."""
-    st = os.stat(path)
-    ident = (path, name, st.st_mtime_ns, st.st_size)
-    if ident not in _imports_cache:
-        _imports_cache[ident] = _parse_imports(Path(path).read_bytes(), path, name)
-    return _imports_cache[ident]
-
-
-_imports_cache: dict[tuple[str, str, int, int], tuple[str, ...]] = {}
-
-
-def _parse_imports(source: bytes, path: str, name: str) -> tuple[str, ...]:
-    try:
-        tree = ast.parse(source, filename=path)
-    except (SyntaxError, ValueError) as err:
-        raise FingerprintError(f"cannot parse {path} to find its imports ({err})") from err
-    package = name if os.path.basename(path) == "__init__.py" else name.rpartition(".")[0]
-    out: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".") if package else []
-                parts = parts[: len(parts) - (node.level - 1)] if node.level > 1 else parts
-                base = ".".join([*parts, *([base] if base else [])])
-            if not base:
-                continue
-            out.append(base)
-            # ``from pkg import sub`` may name a submodule: kept only if one exists on disk
-            out += [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
-    return tuple(dict.fromkeys(out))
-
-
-def code_closure(modules: Iterable[str], *, own: bool = False) -> dict[str, str]:
-    """Digests of the source files of ``modules`` and of every module they import from
-    outside the installed libraries, transitively, read from the files themselves (not from
-    what ``sys.modules`` holds); installed libraries appear as their versions. graphbuild's
-    own modules are followed only with ``own=True`` (a stage's code); a model's closure
-    covers graphbuild by its version."""
-    out: dict[str, str] = {}
-    todo = collections.deque(modules)
-    done: set[str] = set()
-    while todo:
-        name = todo.popleft()
-        if name in done or not name:
-            continue
-        done.add(name)
-        top = name.split(".")[0]
-        if _is_own(name) and not own:
-            out["<lib graphbuild>"] = _graphbuild_version()
-            continue
-        if top in sys.builtin_module_names or top in sys.stdlib_module_names:
-            out[f"<lib {top}>"] = _library_version(name)
-            continue
-        if _is_library_package(top):
-            out[f"<lib {top}>"] = _library_version(name)
-            continue
-        path = _find_file(name)
-        if path is None:
-            if "." in name and name.rpartition(".")[0] in done:
-                continue  # ``from module import name``: a name, not a submodule
-            out[f"<lib {top}>"] = _library_version(name)
-            continue
-        if _is_library(path):
-            out[f"<lib {top}>"] = _library_version(name)
-            continue
-        out[name] = _file_digest(path)
-        todo.extend(_static_imports(path, name))
-    return dict(sorted(out.items()))
-
-
 def code_fingerprint(classes: Iterable[type]) -> dict[str, str]:
     """Source digests of the files defining ``classes`` (and their bases) and of every
     module they import from outside site-packages, transitively; versions of the installed
@@ -898,12 +709,12 @@ def code_fingerprint(classes: Iterable[type]) -> dict[str, str]:
             if base.__module__ in ("builtins",) or base is torch.nn.Module:
                 continue
             names.append(base.__module__)
-            if _is_own(base.__module__):
+            if is_own(base.__module__):
                 # a model built on a graphbuild class: that class's file, not all of graphbuild
-                path = _find_file(base.__module__)
+                path = find_file(base.__module__)
                 if path is not None:
-                    out[base.__module__] = _file_digest(path)
-            elif base.__module__ == "__main__" or not _find_file(base.__module__):
+                    out[base.__module__] = file_digest(path)
+            elif base.__module__ == "__main__" or not find_file(base.__module__):
                 out[f"<source {_qualname(base)}>"] = _class_source_digest(base)
     out.update(code_closure(dict.fromkeys(names)))
     return dict(sorted(out.items()))
@@ -947,15 +758,15 @@ def _callable_version(fn: Callable) -> str:
     target = getattr(fn, "__func__", fn)
     module_name = getattr(target, "__module__", None) or ""
     path = _module_file(module_name)
-    if path is not None and _is_library(path):
+    if path is not None and is_library(path):
         return (
-            f"{module_name}.{getattr(target, '__qualname__', '?')}@{_library_version(module_name)}"
+            f"{module_name}.{getattr(target, '__qualname__', '?')}@{library_version(module_name)}"
         )
     if not hasattr(target, "__code__") and callable(target) and not isinstance(target, type):
         # a callable object: its class code and its attributes
         return digest_json(fingerprint(target))
     try:
-        source = inspect.getsource(target)
+        source = _source(target)
     except (OSError, TypeError):
         code = getattr(target, "__code__", None)
         if code is None:
@@ -966,10 +777,35 @@ def _callable_version(fn: Callable) -> str:
     defaults = getattr(target, "__defaults__", None)
     if defaults:
         parts.append(fingerprint(list(defaults)))
+    kwdefaults = getattr(target, "__kwdefaults__", None)
+    if kwdefaults:
+        parts.append({"kwdefaults": fingerprint(dict(kwdefaults))})
     closure = getattr(target, "__closure__", None)
     if closure:
         parts.append([_closure_value(c) for c in closure])
     return digest_json(parts)
+
+
+# code object -> ((mtime_ns, size) of its file, its source): inspect.getsource tokenizes the
+# whole file, once per process and file version is enough
+_SOURCES: dict[types.CodeType, tuple[tuple[int, int], str]] = {}
+
+
+def _source(target: Any) -> str:
+    code = getattr(target, "__code__", None)
+    if code is None:
+        return inspect.getsource(target)
+    try:
+        st = os.stat(code.co_filename)
+    except (OSError, ValueError):
+        return inspect.getsource(target)
+    stamp = (st.st_mtime_ns, st.st_size)
+    known = _SOURCES.get(code)
+    if known is not None and known[0] == stamp:
+        return known[1]
+    source = inspect.getsource(target)
+    _SOURCES[code] = (stamp, source)
+    return source
 
 
 def _code_form(code: types.CodeType) -> Any:
@@ -1033,86 +869,10 @@ def stage_code_version(fn: Callable) -> str:
     return digest_json({"fn": callable_version(fn), "files": function_files(fn)})
 
 
-def function_files(fn: Callable) -> dict[str, str]:
-    """The source files a function's code can reach (see :func:`stage_code_version`)."""
-    target = fn
-    while isinstance(target, functools.partial):
-        target = target.func
-    target = getattr(target, "__func__", target)
-    if not hasattr(target, "__code__"):
-        return _files_of(type(target).__module__)  # a callable object: its class's module
-    module = getattr(target, "__module__", None) or ""
-    path = _find_file(module)
-    if path is None or _is_library(path):
-        return {}
-    modules: list[str] = []
-    _function_modules(target, module, path, modules, set())
-    out = {module: _file_digest(path)}
-    out.update(code_closure(dict.fromkeys(m for m in modules if m != module), own=True))
-    return dict(sorted(out.items()))
-
-
-def _function_modules(
-    fn: Any, module: str, path: str, out: list[str], seen: set[types.CodeType]
-) -> None:
-    code = getattr(fn, "__code__", None)
-    if code is None or code in seen:
-        return
-    seen.add(code)
-    bound = _top_level_imports(path, module)
-    names: set[str] = set()
-    stack = [code]
-    while stack:
-        c = stack.pop()
-        names.update(c.co_names)
-        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-    for name in sorted(names):
-        out.extend(bound.get(name, ()))
-        value = getattr(fn, "__globals__", {}).get(name)
-        if isinstance(value, types.FunctionType) and value.__module__ == module:
-            _function_modules(value, module, path, out, seen)  # a helper in the same file
-    try:
-        source = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        return
-    out.extend(_parse_imports(source.encode(), path, module))
-
-
-def _top_level_imports(path: str, name: str) -> dict[str, tuple[str, ...]]:
-    """Names a file binds by import statements outside its functions -> the modules they
-    may come from."""
-    st = os.stat(path)
-    ident = (path, name, st.st_mtime_ns, st.st_size)
-    if ident not in _bound_cache:
-        _bound_cache[ident] = _parse_bound_names(Path(path).read_bytes(), path, name)
-    return _bound_cache[ident]
-
-
-_bound_cache: dict[tuple[str, str, int, int], dict[str, tuple[str, ...]]] = {}
-
-
-def _parse_bound_names(source: bytes, path: str, name: str) -> dict[str, tuple[str, ...]]:
-    tree = ast.parse(source, filename=path)
-    out: dict[str, list[str]] = {}
-    todo: list[ast.AST] = list(tree.body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            modules = _parse_imports(ast.unparse(node).encode(), path, name)
-            for alias in node.names:
-                bound = alias.asname or alias.name.split(".")[0]
-                out.setdefault(bound, []).extend(modules)
-            continue
-        todo.extend(ast.iter_child_nodes(node))
-    return {k: tuple(dict.fromkeys(v)) for k, v in out.items()}
-
-
 def _files_of(module: str) -> dict[str, str]:
-    if module == "__main__" or not _find_file(module):
+    if module == "__main__" or not find_file(module):
         return {}
-    return code_closure([module], own=_is_own(module))
+    return code_closure([module], own=is_own(module))
 
 
 #: Registries that stages consult, by name: a stage that declares ``"registry.<name>"`` keys

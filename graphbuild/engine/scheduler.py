@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphbuild.cache import Cache, CorruptEntry
+from graphbuild.engine.closure import class_named_by, code_closure, name_closure
 from graphbuild.engine.codecs import codec_modules, encode, snapshot
 from graphbuild.engine.fingerprint import (
     _REGISTRIES,
     FACETS,
     InputFacets,
     Reading,
-    code_closure,
     code_identity,
     input_token,
     read_value,
@@ -255,13 +255,29 @@ def toolchain_versions() -> dict[str, str]:
     return dict(_tool_versions())
 
 
+def codec_files(name: str) -> dict[str, str]:
+    """The source files the codec registered under ``name`` runs: its class's definition
+    and what its methods use (``engine.closure``), found in the source when the codec is
+    registered lazily and not loaded yet. Editing a module a codec does not use (the ONNX
+    writer beside the ONNX codec) leaves the entries it wrote valid."""
+    for codec_name, module, codec in codec_modules():
+        if codec_name != name:
+            continue
+        cls = type(codec).__qualname__ if codec is not None else None
+        cls = cls or class_named_by(module, "name", name)
+        if cls is None:  # not found in the source: all of its module
+            return code_closure([module], own=True)
+        return name_closure([(module, cls.split(".")[0], False)], own=True)
+    return {}
+
+
 def _codec_version(name: str) -> str:
     """The code and configuration of the codec registered under ``name`` (loaded or not yet:
     a lazily registered codec counts the same). A cache entry records the versions of the
     codecs that wrote it and is a miss when one has changed since."""
-    for codec_name, module, codec in codec_modules():
+    for codec_name, _, codec in codec_modules():
         if codec_name == name:
-            form: dict[str, Any] = {"files": code_closure([module], own=True)}
+            form: dict[str, Any] = {"files": codec_files(name)}
             if codec is not None and vars(codec):
                 form["config"] = code_identity(codec)
             return digest_json(form)[:16]

@@ -18,7 +18,7 @@ from torchao.quantization.pt2e.quantizer import Quantizer
 
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.frontend.devices import HostState, to_device
-from graphbuild.frontend.presets import QUANTIZER_PRESETS, load_builtin_presets, register_preset
+from graphbuild.frontend.presets import QUANTIZER_PRESETS, register_preset
 
 __all__ = [
     "QUANTIZER_PRESETS",
@@ -76,14 +76,12 @@ def quantize_program(
 def resolve_quantizer(quantizer: str | Quantizer) -> Quantizer:
     """A torchao Quantizer from a preset name or an instance; anything else is a ConfigError."""
     if isinstance(quantizer, str):
-        load_builtin_presets()
         if quantizer not in QUANTIZER_PRESETS:
             known = ", ".join(QUANTIZER_PRESETS)
             raise ConfigError(f"unknown quantizer preset {quantizer!r}; known presets: {known}")
         return QUANTIZER_PRESETS[quantizer]()
     if isinstance(quantizer, Quantizer):
         return quantizer
-    load_builtin_presets()
     raise ConfigError(
         f"quantizer must be a preset name ({', '.join(QUANTIZER_PRESETS)}) or a "
         f"torchao.quantization.pt2e.quantizer.Quantizer instance, got {type(quantizer).__name__}"

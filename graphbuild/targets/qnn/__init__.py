@@ -3,7 +3,7 @@
 
 Importing this package declares the target and nothing more (no torch, no torchao): the
 pipeline module is imported when a pipeline is built, and the preset module (torchao) when
-a preset is first resolved (``frontend.presets``), never to compute a key.
+the quantize stage runs, never to compute a key (see ``frontend.presets``).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from graphbuild.targets.qnn.options import FORMATS, QnnOnnxOptions
 
 def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     from graphbuild.frontend.quantize import quantize_program
+    from graphbuild.targets.qnn import preset  # noqa: F401  - registers the QNN presets
 
     (captured,) = inputs
     state = host_state(context.input)

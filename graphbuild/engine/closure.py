@@ -1,0 +1,639 @@
+"""Code closures: the source files a piece of code can reach, read from the files alone.
+
+A closure follows *names*, not whole modules. A function reaches the names it uses; a name
+defined in a file reaches the names its definition uses (a ``def`` or ``class`` body, the
+right-hand side of ``x = ...``, decorators, bases); an imported name reaches its definition
+in the module it comes from; ``import m`` reaches all of ``m``. Every file reached counts by
+its digest, installed libraries by their versions. A statement a module runs for its effect
+counts with the names it changes (``TABLE["k"] = ...`` with ``TABLE``); a definition that
+looks names up by string (``globals()``, ``eval``) takes the whole module, and a string that
+names a module outside graphbuild (``import_module("pkg.mod")``) takes that module.
+graphbuild's own imports by name (lazy codecs, built-in presets) and registrations into
+another module are registries, which key their entries themselves (``registry.*`` reads,
+codec versions): a forward closure cannot see who registers into a registry.
+
+So a stage keys on exactly the code it can run: editing ``onnx/save.py`` does not rerun
+``to_onnx``, while ``scale = _helper.scale`` at the top of a stage's file follows into
+``_helper``. Nothing here imports a module or reads ``sys.modules`` beyond locating files
+(``__main__`` and modules built in memory exist nowhere else): a closure is a function of
+the source files, the same in every process and whatever the process imported.
+
+Closures are memoized per process and revalidated on every use against the (mtime_ns,
+size) of each file they read, so an edit is seen at the next key computation while a warm
+run computes each closure once.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import functools
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import re
+import sys
+import sysconfig
+import textwrap
+import threading
+import types
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graphbuild.engine.hashing import digest_bytes
+from graphbuild.errors import FingerprintError
+
+__all__ = [
+    "class_named_by",
+    "code_closure",
+    "function_files",
+    "is_library",
+    "library_version",
+    "find_file",
+    "file_digest",
+    "is_own",
+    "name_closure",
+]
+
+#: (module, name or None for the whole module, whether the name must exist there: it was
+#: imported from that module, so a missing one is a submodule or set at run time)
+Need = tuple[str, "str | None", bool]
+
+# Names through which a definition reaches other names by string.
+_DYNAMIC = frozenset({"globals", "vars", "eval", "exec", "__import__", "locals"})
+_MODULE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+# --------------------------------------------------------------------------- files
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
+    return tuple(sorted(os.path.realpath(r) + os.sep for r in roots))
+
+
+@functools.lru_cache(maxsize=4096)
+def is_library(path: str) -> bool:
+    real = os.path.realpath(path)
+    return real.startswith(_library_roots()) or "site-packages" in real or "dist-packages" in real
+
+
+@functools.cache
+def _distributions() -> Mapping[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
+@functools.cache
+def library_version(module_name: str) -> str:
+    top = module_name.split(".")[0]
+    if top in sys.stdlib_module_names or top == "builtins":
+        return f"python {sys.version.split()[0]}"
+    try:  # the common case, import name == distribution name: no scan of every package
+        return f"{top} {importlib.metadata.version(top)}"
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        pass
+    dists = _distributions().get(top, [])
+    versions = []
+    for dist in dists:
+        try:
+            versions.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ", ".join(sorted(versions)) or f"{top} (unversioned)"
+
+
+_file_cache: dict[tuple[str, int, int], str] = {}
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size
+
+
+def file_digest(path: str) -> str:
+    ident = (path, *_stamp(path))
+    if ident not in _file_cache:
+        _file_cache[ident] = digest_bytes(Path(path).read_bytes())
+    return _file_cache[ident]
+
+
+def is_own(name: str) -> bool:
+    """graphbuild's own modules: covered by its version in a model's closure, never by
+    following them (what a script's ``import graphbuild`` has loaded so far must not matter)."""
+    return name == "graphbuild" or name.startswith("graphbuild.")
+
+
+@functools.cache
+def _graphbuild_version() -> str:
+    try:
+        return f"graphbuild {importlib.metadata.version('graphbuild')}"
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - always installed
+        return "graphbuild (unversioned)"
+
+
+def find_file(name: str) -> str | None:
+    """The source file of module ``name``, found on disk without importing anything;
+    ``sys.modules`` is consulted first (``__main__``, a module built in memory exist nowhere
+    else, and a loaded module's file is the one found on disk anyway)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        path = getattr(module, "__file__", None)
+    else:
+        spec = _find_spec(name)
+        path = getattr(spec, "origin", None) if spec is not None else None
+    if not path or not os.path.exists(path):
+        return None
+    return path
+
+
+@functools.cache
+def _is_library_package(top: str) -> bool:
+    """Whether a top-level module or package (a namespace package too) is installed."""
+    module = sys.modules.get(top)
+    if module is not None:
+        places = [getattr(module, "__file__", None), *getattr(module, "__path__", ())]
+    else:
+        spec = _find_spec(top)
+        if spec is None:
+            return False
+        places = [spec.origin, *(spec.submodule_search_locations or ())]
+    return any(p and os.path.exists(p) and is_library(p) for p in places)
+
+
+def _find_spec(name: str) -> Any:
+    top, *rest = name.split(".")
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+    except (ImportError, ValueError):
+        return None
+    prefix = top
+    for part in rest:
+        parent = sys.modules.get(prefix)
+        if parent is not None:
+            locations = getattr(parent, "__path__", None)
+        else:
+            locations = spec.submodule_search_locations if spec is not None else None
+        if not locations:
+            return None
+        prefix = f"{prefix}.{part}"
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(prefix, list(locations))
+        except (ImportError, ValueError, KeyError):  # a namespace path whose parent is gone
+            return None
+        if spec is None:
+            return None
+    return spec
+
+
+def _library_label(name: str, own: bool) -> tuple[str, str] | None:
+    """("<lib top>", version) when ``name`` is not followed: the standard library, an
+    installed package, or graphbuild itself in a model's closure."""
+    top = name.split(".")[0]
+    if is_own(name) and not own:
+        return "<lib graphbuild>", _graphbuild_version()
+    if top in sys.builtin_module_names or top in sys.stdlib_module_names:
+        return f"<lib {top}>", library_version(name)
+    if _is_library_package(top):
+        return f"<lib {top}>", library_version(name)
+    return None
+
+
+# --------------------------------------------------------------------------- one file
+
+
+@dataclass
+class _ModuleInfo:
+    """What a source file defines at the top level, and what each definition uses."""
+
+    package: str
+    uses: dict[str, list[Need]] = field(default_factory=dict)  # top-level name -> needs
+    star: list[str] = field(default_factory=list)  # ``from m import *``
+
+
+_info_cache: dict[tuple[str, str, int, int], _ModuleInfo] = {}
+
+
+def _module_info(path: str, name: str) -> _ModuleInfo:
+    ident = (path, name, *_stamp(path))
+    if ident not in _info_cache:
+        _info_cache[ident] = _parse_module(Path(path).read_bytes(), path, name)
+    return _info_cache[ident]
+
+
+def _parse(source: bytes | str, path: str) -> ast.Module:
+    try:
+        return ast.parse(source, filename=path)
+    except (SyntaxError, ValueError) as err:
+        raise FingerprintError(f"cannot parse {path} to find what it uses ({err})") from err
+
+
+def _parse_module(source: bytes, path: str, name: str) -> _ModuleInfo:
+    """Top-level bindings and what each uses. A statement run for its effect counts with
+    the names it changes: ``TABLE[k] = v`` and ``TABLE.update(...)`` with ``TABLE``, a call
+    of a function of this file with the globals that function changes. A call into another
+    module (``register_codec(...)``) registers into a registry there, which keys its entries
+    itself (``registry.*`` reads, codec versions); a condition counts with what its block
+    defines."""
+    package = name if os.path.basename(path) == "__init__.py" else name.rpartition(".")[0]
+    info = _ModuleInfo(package)
+    effects: list[tuple[ast.AST, list[Need]]] = []  # effect statement, what it runs under
+    defs: dict[str, list[ast.AST]] = {}
+
+    def bind(bound: str, needs: list[Need]) -> None:
+        info.uses.setdefault(bound, []).extend(needs)
+
+    def visit(body: list[ast.stmt], heads: list[Need]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defs.setdefault(node.name, []).append(node)
+                bind(node.name, [*heads, *_uses([node], name, package)])
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    bind(
+                        alias.asname or alias.name.split(".")[0], [*heads, (alias.name, None, True)]
+                    )
+            elif isinstance(node, ast.ImportFrom):
+                base = _import_base(node, package)
+                for alias in node.names:
+                    if not base:
+                        continue
+                    if alias.name == "*":
+                        info.star.append(base)
+                    else:
+                        bind(alias.asname or alias.name, [*heads, (base, alias.name, True)])
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                value = [node.value] if node.value is not None else []
+                elements = [
+                    e
+                    for t in targets
+                    for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])
+                ]
+                needs = [*heads, *_uses(value, name, package)]
+                for e in elements:
+                    if isinstance(e, ast.Name):  # x = ...: a binding (x += ...: keeps x)
+                        bind(e.id, needs)
+                    else:  # TABLE[k] = ..., obj.attr = ...: an effect on TABLE, obj
+                        effects.append((e, [*needs, *_uses([e], name, package)]))
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+                parts = [getattr(node, a) for a in ("test", "iter") if hasattr(node, a)]
+                parts += [item.context_expr for item in getattr(node, "items", [])]
+                inner = [*heads, *_uses(parts, name, package)]
+                if isinstance(node, ast.For):
+                    for e in ast.walk(node.target):
+                        if isinstance(e, ast.Name):
+                            bind(e.id, inner)
+                for part in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, part, []), inner)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body, inner)
+            elif isinstance(node, ast.Expr):
+                effects.append((node.value, [*heads, *_uses([node], name, package)]))
+
+    tree = _parse(source, path)
+    visit(tree.body, [])
+    for target, needs in effects:
+        for changed in _changed_names(target, defs):
+            if changed in info.uses:
+                bind(changed, needs)
+    # an import whose name the file never uses is there for its effect (programs.py imports
+    # markers to register an op): it counts with everything the module defines
+    used = _used_names(tree)
+    imported_for_effect = [
+        need
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+        if alias.name != "*" and (alias.asname or alias.name.split(".")[0]) not in used
+        for need in info.uses.get(alias.asname or alias.name.split(".")[0], [])
+    ]
+    for bound in list(info.uses):
+        info.uses[bound] = [*info.uses[bound], *imported_for_effect]
+    return info
+
+
+def _used_names(tree: ast.Module) -> set[str]:
+    """Names a file reads anywhere, and the names its ``__all__`` exports."""
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            used |= {
+                c.value
+                for c in ast.walk(node.value)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            }
+    return used
+
+
+def _changed_names(node: ast.AST, defs: Mapping[str, list[ast.AST]]) -> set[str]:
+    """The top-level names an effect statement changes: the root of a subscript or an
+    attribute target, the receiver of a method call, or what a function of this file that
+    it calls changes (its ``global`` names, the roots it assigns into or calls methods of)."""
+    root = _root_name(node)
+    if isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Name):
+            out: set[str] = set()
+            for d in defs.get(func.id, []):
+                out |= _changed_by(d)
+            return out
+        root = _root_name(func.value) if isinstance(func, ast.Attribute) else None
+    return {root} if root else set()
+
+
+def _changed_by(definition: ast.AST) -> set[str]:
+    out: set[str] = set()
+    for sub in ast.walk(definition):
+        if isinstance(sub, ast.Global):
+            out.update(sub.names)
+        elif isinstance(sub, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = sub.targets if isinstance(sub, (ast.Assign, ast.Delete)) else [sub.target]
+            out.update(
+                r
+                for t in targets
+                if isinstance(t, (ast.Subscript, ast.Attribute))
+                for r in [_root_name(t)]
+                if r
+            )
+        elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute):
+            r = _root_name(sub.func.value)
+            if r:
+                out.add(r)
+    return out
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Subscript, ast.Attribute, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _import_base(node: ast.ImportFrom, package: str) -> str:
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".") if package else []
+        parts = parts[: len(parts) - (node.level - 1)] if node.level > 1 else parts
+        base = ".".join([*parts, *([base] if base else [])])
+    return base
+
+
+def _uses(nodes: Iterable[ast.AST], module: str, package: str) -> list[Need]:
+    """Needs of some code in ``module``: the names it uses (looked up in the same module),
+    the imports inside it, module paths it names in strings (``import_module("a.b")``), and
+    the whole module when it looks names up by string."""
+    out: list[Need] = []
+    names: set[str] = set()
+    for node in nodes:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name):
+                names.add(sub.id)
+            elif isinstance(sub, ast.Import):
+                out += [(alias.name, None, True) for alias in sub.names]
+            elif isinstance(sub, ast.ImportFrom):
+                base = _import_base(sub, package)
+                if base:
+                    out += [(base, None if a.name == "*" else a.name, True) for a in sub.names]
+            elif (
+                isinstance(sub, ast.Constant)
+                and isinstance(sub.value, str)
+                and _MODULE_PATH.fullmatch(sub.value)
+                and not is_own(sub.value)  # graphbuild's imports by name are registries
+            ):
+                out.append((sub.value, None, False))  # a module only if one exists there
+    if names & _DYNAMIC:
+        out.append((module, None, True))
+    out += [(module, n, False) for n in sorted(names)]
+    return out
+
+
+# --------------------------------------------------------------------------- closures
+
+
+class _Closure:
+    """One closure computation: what it reached, and the files it read (to revalidate)."""
+
+    def __init__(self, own: bool) -> None:
+        self.own = own
+        self.out: dict[str, str] = {}
+        self.stamps: dict[str, tuple[int, int]] = {}
+        self.done: set[Need] = set()
+
+    def file(self, path: str) -> str:
+        self.stamps[path] = _stamp(path)
+        return file_digest(path)
+
+    def info(self, path: str, module: str) -> _ModuleInfo:
+        self.stamps[path] = _stamp(path)
+        return _module_info(path, module)
+
+    def run(self, needs: Iterable[Need]) -> None:
+        todo = collections.deque(needs)
+        while todo:
+            module, name, strict = todo.popleft()
+            if not module or (module, name, strict) in self.done:
+                continue
+            self.done.add((module, name, strict))
+            guessed = name is None and not strict  # a string that may name a module
+            label = _library_label(module, self.own)
+            if label is not None:
+                if not guessed:
+                    self.out[label[0]] = label[1]
+                continue
+            path = find_file(module)
+            if path is None:
+                if not guessed:
+                    top = module.split(".")[0]
+                    self.out[f"<lib {top}>"] = library_version(module)
+                continue
+            if is_library(path):
+                self.out[f"<lib {module.split('.')[0]}>"] = library_version(module)
+                continue
+            self.out[module] = self.file(path)
+            info = self.info(path, module)
+            if name is None:
+                todo.extend((module, n, False) for n in info.uses)
+                todo.extend((m, None, True) for m in info.star)
+            elif name in info.uses:
+                todo.extend(info.uses[name])
+            elif strict:  # imported from here but not defined here
+                todo.extend(self._missing(module, name, info))
+
+    def _missing(self, module: str, name: str, info: _ModuleInfo) -> list[Need]:
+        sub = f"{module}.{name}"
+        if find_file(sub) is not None or _library_label(sub, self.own) is not None:
+            return [(sub, None, True)]  # ``from package import submodule``
+        if info.star:
+            return [(m, name, True) for m in info.star]
+        return [(module, None, True)]  # set at run time: the whole module
+
+
+class _Memo:
+    """Closures by key, each valid while the files it read are unchanged."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Any, tuple[dict[str, str], dict[str, tuple[int, int]]]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, key: Any) -> dict[str, str] | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        out, stamps = entry
+        try:
+            if all(_stamp(p) == s for p, s in stamps.items()):
+                return out
+        except OSError:
+            pass
+        return None
+
+    def put(self, key: Any, closure: _Closure) -> dict[str, str]:
+        out = dict(sorted(closure.out.items()))
+        with self.lock:
+            self.entries[key] = (out, closure.stamps)
+        return out
+
+
+_MEMO = _Memo()
+
+
+def name_closure(needs: Iterable[Need], *, own: bool = False) -> dict[str, str]:
+    """Digests of the files that the ``needs`` reach (see the module docstring); installed
+    libraries as their versions. graphbuild's own modules are followed only with
+    ``own=True`` (graphbuild's stages and codecs); a model's closure covers graphbuild by
+    its version."""
+    needs = tuple(needs)
+    key = ("needs", needs, own)
+    found = _MEMO.get(key)
+    if found is not None:
+        return found
+    closure = _Closure(own)
+    closure.run(needs)
+    return _MEMO.put(key, closure)
+
+
+def code_closure(modules: Iterable[str], *, own: bool = False) -> dict[str, str]:
+    """The closure of whole modules (every name each defines)."""
+    return name_closure([(m, None, True) for m in modules], own=own)
+
+
+def function_files(fn: Callable) -> dict[str, str]:
+    """The source files a function's code can reach: its own module's file and the
+    definitions of every name it uses, transitively; functions and modules it holds in its
+    closure cells, defaults or ``functools.partial`` arguments too."""
+    out: dict[str, str] = {}
+    _function_files(fn, out, set())
+    return dict(sorted(out.items()))
+
+
+def _function_files(fn: Any, out: dict[str, str], seen: set[int]) -> None:
+    if id(fn) in seen:
+        return
+    seen.add(id(fn))
+    held: list[Any] = []
+    while isinstance(fn, functools.partial):
+        held += [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    if isinstance(fn, types.MethodType):
+        fn = fn.__func__
+    fn = inspect.unwrap(fn) if hasattr(fn, "__wrapped__") else fn
+    if isinstance(fn, type):
+        out.update(_class_files(fn))
+    elif not hasattr(fn, "__code__"):
+        out.update(_class_files(type(fn)))  # a callable object: its class
+    else:
+        out.update(_code_files(fn))
+        held += list(getattr(fn, "__defaults__", None) or ())
+        held += list((getattr(fn, "__kwdefaults__", None) or {}).values())
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                held.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+    for value in held:
+        if isinstance(value, types.ModuleType):
+            out.update(code_closure([value.__name__], own=True))
+        elif isinstance(value, type) or (
+            callable(value) and hasattr(inspect.unwrap(value), "__code__")
+        ):
+            _function_files(value, out, seen)
+
+
+def _class_files(cls: type) -> dict[str, str]:
+    module = cls.__module__
+    path = find_file(module)
+    if path is None or is_library(path):
+        return {}
+    top = cls.__qualname__.split(".")[0]
+    return name_closure([(module, top, False)], own=True)
+
+
+def _code_files(fn: Any) -> dict[str, str]:
+    module = getattr(fn, "__module__", None) or ""
+    path = find_file(module)
+    if path is None or is_library(path):
+        return {}
+    code = fn.__code__
+    key = ("function", module, code)
+    found = _MEMO.get(key)
+    if found is not None:
+        return found
+    closure = _Closure(own=True)
+    closure.run(_function_needs(fn, module, path))
+    closure.out.setdefault(module, closure.file(path))
+    return _MEMO.put(key, closure)
+
+
+def _function_needs(fn: Any, module: str, path: str) -> list[Need]:
+    qualname = getattr(fn, "__qualname__", "")
+    top = qualname.split(".")[0]
+    if "<" not in qualname and top in _module_info(path, module).uses:
+        return [(module, top, False)]  # a top-level function or a method: its definition
+    # nested (a closure, a lambda): the names its code uses, the imports in its source
+    needs: list[Need] = []
+    stack = [fn.__code__]
+    while stack:
+        code = stack.pop()
+        needs += [(module, n, False) for n in code.co_names]
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    if fn.__name__ == "<lambda>":
+        return needs  # a lambda holds no import statement
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return [*needs, (module, None, True)]
+    package = module if os.path.basename(path) == "__init__.py" else module.rpartition(".")[0]
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return [*needs, (module, None, True)]
+    return [*needs, *(n for n in _uses([tree], module, package) if n[0] != module)]
+
+
+def class_named_by(module: str, attribute: str, value: str) -> str | None:
+    """The top-level class of ``module`` whose body sets ``attribute = value`` (a codec's
+    ``name = "onnx"``), read from the source without importing it; None if none does."""
+    path = find_file(module)
+    if path is None:
+        return None
+    tree = _parse(Path(path).read_bytes(), path)
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for stmt in node.body:
+            if (
+                isinstance(stmt, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == attribute for t in stmt.targets)
+                and isinstance(stmt.value, ast.Constant)
+                and stmt.value.value == value
+            ):
+                return node.name
+    return None
