@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import functools
 import importlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -965,3 +966,25 @@ def make_stage(scale):
 
 def test_a_stage_keys_on_its_keyword_only_defaults():
     assert callable_version(make_stage(2)) != callable_version(make_stage(3))
+
+
+def test_an_edit_that_keeps_the_files_size_and_mtime_is_still_seen(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    helper = tmp_path / "gb_racy_helper.py"
+    helper.write_text("def act(x):\n    return x.relu()\n")
+    (tmp_path / "gb_racy_stage.py").write_text(
+        "from gb_racy_helper import act\n\n\ndef stage(inputs, samples, ctx):\n"
+        "    return act(inputs)\n"
+    )
+    importlib.invalidate_caches()
+    module = importlib.import_module("gb_racy_stage")
+    monkeypatch.setitem(sys.modules, "gb_racy_stage", module)
+    monkeypatch.setitem(sys.modules, "gb_racy_helper", sys.modules["gb_racy_helper"])
+    first = function_files(module.stage)
+    stamp = helper.stat()
+
+    helper.write_text("def act(x):\n    return x.tanh()\n")  # same size, same clock tick
+    os.utime(helper, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+
+    assert function_files(module.stage) != first

@@ -18,9 +18,10 @@ So a stage keys on exactly the code it can run: editing ``onnx/save.py`` does no
 (``__main__`` and modules built in memory exist nowhere else): a closure is a function of
 the source files, the same in every process and whatever the process imported.
 
-Closures are memoized per process and revalidated on every use against the (mtime_ns,
-size) of each file they read, so an edit is seen at the next key computation while a warm
-run computes each closure once.
+Closures are memoized per process and revalidated on every use against each file they read:
+by (mtime_ns, size), and by contents while a file is too recently modified for those to
+vouch for it (two writes of the same size within one clock tick). An edit is seen at the
+next key computation, and a warm run computes each closure once.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import sys
 import sysconfig
 import textwrap
 import threading
+import time
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -109,7 +111,13 @@ def library_version(module_name: str) -> str:
     return ", ".join(sorted(versions)) or f"{top} (unversioned)"
 
 
-_file_cache: dict[tuple[str, int, int], str] = {}
+#: A file modified less than this long before its digest was taken may be rewritten within
+#: the same clock tick with the same size: its (mtime, size) proves nothing ("racily clean",
+#: as git calls it), so its contents are digested again at every use.
+RACY_NS = 2_000_000_000
+
+# path -> (mtime_ns, size, digest, whether (mtime, size) alone may vouch for the digest)
+_file_cache: dict[str, tuple[int, int, str, bool]] = {}
 
 
 def _stamp(path: str) -> tuple[int, int]:
@@ -118,10 +126,15 @@ def _stamp(path: str) -> tuple[int, int]:
 
 
 def file_digest(path: str) -> str:
-    ident = (path, *_stamp(path))
-    if ident not in _file_cache:
-        _file_cache[ident] = digest_bytes(Path(path).read_bytes())
-    return _file_cache[ident]
+    """xxh3 of the file's bytes, read again only when its (mtime, size) changed or was
+    too recent to vouch for its contents."""
+    mtime, size = _stamp(path)
+    known = _file_cache.get(path)
+    if known is not None and known[:2] == (mtime, size) and known[3]:
+        return known[2]
+    digest = digest_bytes(Path(path).read_bytes())
+    _file_cache[path] = (mtime, size, digest, time.time_ns() - mtime > RACY_NS)
+    return digest
 
 
 def is_own(name: str) -> bool:
@@ -217,11 +230,11 @@ class _ModuleInfo:
     star: list[str] = field(default_factory=list)  # ``from m import *``
 
 
-_info_cache: dict[tuple[str, str, int, int], _ModuleInfo] = {}
+_info_cache: dict[tuple[str, str, str], _ModuleInfo] = {}
 
 
 def _module_info(path: str, name: str) -> _ModuleInfo:
-    ident = (path, name, *_stamp(path))
+    ident = (path, name, file_digest(path))
     if ident not in _info_cache:
         _info_cache[ident] = _parse_module(Path(path).read_bytes(), path, name)
     return _info_cache[ident]
@@ -424,15 +437,15 @@ class _Closure:
     def __init__(self, own: bool) -> None:
         self.own = own
         self.out: dict[str, str] = {}
-        self.stamps: dict[str, tuple[int, int]] = {}
+        self.files: dict[str, str] = {}  # path -> digest, to revalidate a memoized closure
         self.done: set[Need] = set()
 
     def file(self, path: str) -> str:
-        self.stamps[path] = _stamp(path)
-        return file_digest(path)
+        self.files[path] = file_digest(path)
+        return self.files[path]
 
     def info(self, path: str, module: str) -> _ModuleInfo:
-        self.stamps[path] = _stamp(path)
+        self.file(path)
         return _module_info(path, module)
 
     def run(self, needs: Iterable[Need]) -> None:
@@ -477,19 +490,20 @@ class _Closure:
 
 
 class _Memo:
-    """Closures by key, each valid while the files it read are unchanged."""
+    """Closures by key, each valid while the files it read hold the same bytes (checked by
+    (mtime, size), and by contents for a file too recently modified to trust those)."""
 
     def __init__(self) -> None:
-        self.entries: dict[Any, tuple[dict[str, str], dict[str, tuple[int, int]]]] = {}
+        self.entries: dict[Any, tuple[dict[str, str], dict[str, str]]] = {}
         self.lock = threading.Lock()
 
     def get(self, key: Any) -> dict[str, str] | None:
         entry = self.entries.get(key)
         if entry is None:
             return None
-        out, stamps = entry
+        out, files = entry
         try:
-            if all(_stamp(p) == s for p, s in stamps.items()):
+            if all(file_digest(p) == d for p, d in files.items()):
                 return out
         except OSError:
             pass
@@ -498,7 +512,7 @@ class _Memo:
     def put(self, key: Any, closure: _Closure) -> dict[str, str]:
         out = dict(sorted(closure.out.items()))
         with self.lock:
-            self.entries[key] = (out, closure.stamps)
+            self.entries[key] = (out, dict(closure.files))
         return out
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import linecache
 import os
 import re
 import sys
@@ -786,9 +787,9 @@ def _callable_version(fn: Callable) -> str:
     return digest_json(parts)
 
 
-# code object -> ((mtime_ns, size) of its file, its source): inspect.getsource tokenizes the
-# whole file, once per process and file version is enough
-_SOURCES: dict[types.CodeType, tuple[tuple[int, int], str]] = {}
+# code object -> (digest of its file, its source): inspect.getsource tokenizes the whole
+# file, once per process and file version is enough
+_SOURCES: dict[types.CodeType, tuple[str, str]] = {}
 
 
 def _source(target: Any) -> str:
@@ -796,15 +797,15 @@ def _source(target: Any) -> str:
     if code is None:
         return inspect.getsource(target)
     try:
-        st = os.stat(code.co_filename)
+        version = file_digest(code.co_filename)
     except (OSError, ValueError):
         return inspect.getsource(target)
-    stamp = (st.st_mtime_ns, st.st_size)
     known = _SOURCES.get(code)
-    if known is not None and known[0] == stamp:
+    if known is not None and known[0] == version:
         return known[1]
+    linecache.updatecache(code.co_filename)  # its (mtime, size) check can miss an edit
     source = inspect.getsource(target)
-    _SOURCES[code] = (stamp, source)
+    _SOURCES[code] = (version, source)
     return source
 
 
