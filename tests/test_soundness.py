@@ -988,3 +988,48 @@ def test_an_edit_that_keeps_the_files_size_and_mtime_is_still_seen(tmp_path, mon
     os.utime(helper, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
 
     assert function_files(module.stage) != first
+
+
+class Bag:
+    """A stage output whose codec cannot tell a change in place (no snapshot)."""
+
+    def __init__(self, items):
+        self.items = items
+
+
+class BagCodec(codecs.Codec):
+    name = "test_bag"
+    types = (Bag,)
+
+    def encode(self, value):
+        return Encoded(self.name, None, [Part(repr(value.items).encode())])
+
+    def decode(self, meta, parts, children):
+        return Bag(eval(bytes(parts[0]).decode()))  # noqa: S307 - the test's own bytes
+
+
+def bag_pipeline():
+    def make(inputs, samples, ctx):
+        return Bag([1, 2])
+
+    def append_in_place(inputs, samples, ctx):
+        inputs[0].items.append(3)
+        return 0
+
+    p = Pipeline(name="bags")
+    p.register_stage(make, "make", reads=())
+    p.register_stage(append_in_place, "edit", reads=()).depends_on("make")
+    return p
+
+
+def test_check_mode_re_encodes_the_inputs_a_codec_cannot_snapshot(tmp_path, monkeypatch):
+    monkeypatch.setattr(codecs, "_CODECS", list(codecs._CODECS))
+    monkeypatch.setattr(codecs, "_BY_NAME", dict(codecs._BY_NAME))
+    register_codec(BagCodec())
+
+    bag_pipeline().run(None, cache=gb.Cache(tmp_path / "quiet"))  # no token: not seen
+    with pytest.raises(StageError) as info:
+        bag_pipeline().run(None, cache=gb.Cache(tmp_path / "checked"), check=True)
+
+    assert info.value.stage == "edit" and isinstance(info.value.cause, InputMutationError)
+    assert "different digest" in str(info.value)

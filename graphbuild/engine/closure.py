@@ -438,7 +438,12 @@ class _Closure:
         self.own = own
         self.out: dict[str, str] = {}
         self.files: dict[str, str] = {}  # path -> digest, to revalidate a memoized closure
+        self.resolved: dict[str, str | None] = {}  # module -> the file it was found in
         self.done: set[Need] = set()
+
+    def find(self, module: str) -> str | None:
+        self.resolved[module] = find_file(module)
+        return self.resolved[module]
 
     def file(self, path: str) -> str:
         self.files[path] = file_digest(path)
@@ -461,7 +466,7 @@ class _Closure:
                 if not guessed:
                     self.out[label[0]] = label[1]
                 continue
-            path = find_file(module)
+            path = self.find(module)
             if path is None:
                 if not guessed:
                     top = module.split(".")[0]
@@ -482,7 +487,7 @@ class _Closure:
 
     def _missing(self, module: str, name: str, info: _ModuleInfo) -> list[Need]:
         sub = f"{module}.{name}"
-        if find_file(sub) is not None or _library_label(sub, self.own) is not None:
+        if self.find(sub) is not None or _library_label(sub, self.own) is not None:
             return [(sub, None, True)]  # ``from package import submodule``
         if info.star:
             return [(m, name, True) for m in info.star]
@@ -491,19 +496,30 @@ class _Closure:
 
 class _Memo:
     """Closures by key, each valid while the files it read hold the same bytes (checked by
-    (mtime, size), and by contents for a file too recently modified to trust those)."""
+    (mtime, size), and by contents for a file too recently modified to trust those) and its
+    module names still name the same files: a module imported since from its file, the same
+    ``sys.path`` for those not imported (a name found in one project's directory must not
+    stand for another project's module of the same name)."""
 
     def __init__(self) -> None:
-        self.entries: dict[Any, tuple[dict[str, str], dict[str, str]]] = {}
+        self.entries: dict[Any, tuple[dict[str, str], _Closure, tuple[str, ...]]] = {}
         self.lock = threading.Lock()
 
     def get(self, key: Any) -> dict[str, str] | None:
         entry = self.entries.get(key)
         if entry is None:
             return None
-        out, files = entry
+        out, closure, search_path = entry
+        same_path = tuple(sys.path) == search_path
+        for module, path in closure.resolved.items():
+            loaded = sys.modules.get(module)
+            if loaded is not None:
+                if (getattr(loaded, "__file__", None) or None) != path:
+                    return None
+            elif not same_path:
+                return None
         try:
-            if all(file_digest(p) == d for p, d in files.items()):
+            if all(file_digest(p) == d for p, d in closure.files.items()):
                 return out
         except OSError:
             pass
@@ -512,7 +528,7 @@ class _Memo:
     def put(self, key: Any, closure: _Closure) -> dict[str, str]:
         out = dict(sorted(closure.out.items()))
         with self.lock:
-            self.entries[key] = (out, dict(closure.files))
+            self.entries[key] = (out, closure, tuple(sys.path))
         return out
 
 

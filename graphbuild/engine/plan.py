@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from graphbuild.cache import Cache
     from graphbuild.engine.pipeline import Pipeline
 
-__all__ = ["explain_plan", "plan"]
+__all__ = ["explain_plan", "plan", "stage_inputs"]
 
 
 #: Each stage ``hit``, ``dirty`` (with the reason) or ``maybe`` (downstream of a dirty stage:
@@ -90,6 +90,30 @@ def explain_plan(
                 "dirty_upstream": pending,
             }
         )
+    return out
+
+
+def stage_inputs(
+    pipeline: Pipeline, pipeline_input: Any, samples: Any, *, context: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """For every stage, what its key covers besides its upstream outputs: its code version
+    and the digest of each declared read (``"uncacheable: <reason>"`` where there is none).
+    Nothing runs and no cache is read. For the same model, samples and options these are
+    the same in every process (DESIGN.md, invariant 10): compare them to find a read that
+    is not."""
+    run = _Run(pipeline, pipeline_input, samples, context, None, (), (), "plan")
+    out: dict[str, dict[str, Any]] = {}
+    for name in run.order:
+        run.states[name] = _State(StageRecord(name), plan_reads(pipeline, name, context))
+        run.compute_key(name)
+        st = run.states[name]
+        out[name] = {
+            "code": st.code or f"uncacheable: {st.code_error}",
+            "reads": {
+                r: rd.digest if rd.digest is not None else f"uncacheable: {rd.reason}"
+                for r, rd in st.readings.items()
+            },
+        }
     return out
 
 
