@@ -1033,3 +1033,28 @@ def test_check_mode_re_encodes_the_inputs_a_codec_cannot_snapshot(tmp_path, monk
 
     assert info.value.stage == "edit" and isinstance(info.value.cause, InputMutationError)
     assert "different digest" in str(info.value)
+
+
+class HoldsCallables(nn.Module):
+    """Callables that reach a submodule: a lambda's cell, a partial's argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        fc = self.fc
+        self.through_cell = lambda x: fc(x)
+        self.through_partial = functools.partial(nn.functional.linear, weight=self.fc.weight)
+
+    def forward(self, x):
+        return self.through_cell(x) + self.through_partial(x)
+
+
+def test_weights_reached_through_a_closure_or_a_partial_are_state_not_structure():
+    torch.manual_seed(0)
+    model = HoldsCallables()
+    before = structure_fingerprint(model).digest
+
+    with torch.no_grad():
+        model.fc.weight.add_(1.0)
+
+    assert structure_fingerprint(model).digest == before

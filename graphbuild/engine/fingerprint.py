@@ -59,6 +59,17 @@ _MAX_DEPTH = 12
 # --------------------------------------------------------------------------- values
 
 
+class _Tree(threading.local):
+    """The model whose structure is being fingerprinted on this thread: (tensor id ->
+    state name, module id -> submodule name), empty outside a structure fingerprint."""
+
+    def __init__(self) -> None:
+        self.current: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {})
+
+
+_TREE = _Tree()
+
+
 class _Walk:
     """State of one recursive fingerprint: cycle guard and the path for error messages."""
 
@@ -72,14 +83,16 @@ class _Walk:
         # walking a model's structure: where its tensors live is not structure (see torch.device)
         self.model = model
         self.path: list[str] = []
-        # tensors that are the model's own parameters and buffers (by id, within this walk):
-        # an attribute holding one (nn.LSTM's _flat_weights) is structure by name, its values
-        # are the state facet's
-        self.state_names: Mapping[int, str] = state_names or {}
-        # the model's own submodules: an attribute reaching one (a traced GraphModule's
-        # graph refers to its owner, a bound method to its module) names it; its structure
-        # and weights are fingerprinted where the tree holds it
-        self.module_names: Mapping[int, str] = module_names or {}
+        # Within a structure fingerprint (and every fingerprint it starts: a closure's cells,
+        # a partial's arguments), the model's own tensors and submodules, by id:
+        # - a parameter or buffer an attribute holds (nn.LSTM's _flat_weights) is structure
+        #   by name, its values are the state facet's;
+        # - a submodule an attribute reaches (a traced GraphModule's owner, a bound method's
+        #   object, a lambda's cell) is named by its place in the tree, whose structure and
+        #   weights are fingerprinted where the tree holds it.
+        tree = _TREE.current
+        self.state_names: Mapping[int, str] = state_names or tree[0]
+        self.module_names: Mapping[int, str] = module_names or tree[1]
 
     def child(self, label: str, value: Any) -> Any:
         if len(self.path) > _MAX_DEPTH:
@@ -284,9 +297,17 @@ def _(value: types.ModuleType, walk: _Walk) -> Any:
 
 
 @fingerprint_type.register(types.FunctionType)
-@fingerprint_type.register(functools.partial)
 def _(value: Any, walk: _Walk) -> Any:
     return {"function": callable_version(value)}
+
+
+@fingerprint_type.register(functools.partial)
+def _(value: functools.partial, walk: _Walk) -> Any:
+    return {
+        "partial": walk.child("func", value.func),
+        "args": walk.child("args", list(value.args)),
+        "keywords": walk.child("keywords", dict(value.keywords)),
+    }
 
 
 @fingerprint_type.register(types.MethodType)
@@ -654,8 +675,6 @@ def structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
 
 
 def _structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
-    classes: list[type] = []
-    modules: dict[str, str] = {}
     state_names: dict[int, str] = {}
     for name, t in [*module.named_parameters(remove_duplicate=False)] + [
         *module.named_buffers(remove_duplicate=False)
@@ -664,6 +683,19 @@ def _structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
     module_names: dict[int, str] = {}
     for name, sub in module.named_modules(remove_duplicate=False):
         module_names.setdefault(id(sub), name or "<root>")
+    outer = _TREE.current
+    _TREE.current = (state_names, module_names)
+    try:
+        return _tree_fingerprint(module, state_names, module_names)
+    finally:
+        _TREE.current = outer
+
+
+def _tree_fingerprint(
+    module: torch.nn.Module, state_names: dict[int, str], module_names: dict[int, str]
+) -> StructureFingerprint:
+    classes: list[type] = []
+    modules: dict[str, str] = {}
     for name, sub in module.named_modules(remove_duplicate=False):
         classes.append(type(sub))
         walk = _Walk(state_names, module_names, model=True)
