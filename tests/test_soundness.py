@@ -1058,3 +1058,17 @@ def test_weights_reached_through_a_closure_or_a_partial_are_state_not_structure(
         model.fc.weight.add_(1.0)
 
     assert structure_fingerprint(model).digest == before
+
+
+def test_a_stage_keys_on_a_helper_it_takes_through_a_star_import(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "gb_star_helper.py").write_text("def scale():\n    return 2\n")
+    (tmp_path / "gb_star_stage.py").write_text(
+        "from gb_star_helper import *\n\n\ndef stage(inputs, samples, ctx):\n    return scale()\n"
+    )
+    importlib.invalidate_caches()
+    module = importlib.import_module("gb_star_stage")
+    monkeypatch.setitem(sys.modules, "gb_star_stage", module)
+
+    assert "gb_star_helper" in function_files(module.stage)

@@ -484,6 +484,8 @@ class _Closure:
                 todo.extend(info.uses[name])
             elif strict:  # imported from here but not defined here
                 todo.extend(self._missing(module, name, info))
+            else:  # a name this file uses: from a ``*`` import, or a builtin or a local
+                todo.extend((m, name, False) for m in info.star)
 
     def _missing(self, module: str, name: str, info: _ModuleInfo) -> list[Need]:
         sub = f"{module}.{name}"
