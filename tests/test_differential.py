@@ -1,16 +1,17 @@
 """Differential test of the cache: after any sequence of changes, a cached export equals an
 uncached export of the same state, byte for byte.
 
-A model whose code sits in files written here (its activation in a helper module, rewritten
-by one kind of change), pre-quantized with fake-quant ops whose scales are buffers, or float
-and quantized by a preset. Each step draws one change from: weights, activation scales,
-weight scales, bit-widths, preset, opset, format, encodings version, output names, the
-helper's code, a registered recogniser, and a custom stage after ``marker_graph`` that edits
-a copy (fine) or its input in place (``InputMutationError``, cached and uncached alike).
-After each step the cached export (one cache for the whole sequence) must give the same
-ONNX, encodings and lock file as an export without a cache, and a second cached export must
-be all hits. The sequence is drawn by hypothesis, derandomized: every run draws the same
-one; ``-m slow`` runs longer ones.
+A model whose code sits in files written here (its activation comes from an ops module
+through a module-level alias in a helper module; one kind of change rewrites the ops),
+pre-quantized with fake-quant ops whose scales are buffers, or float and quantized by a
+preset. Each step draws one change from: weights, activation scales, weight scales,
+bit-widths, preset, opset, format, encodings version, output names, the ops' code, a
+registered recogniser, and a custom stage after ``marker_graph`` that edits a copy (fine) or
+its input in place (``InputMutationError``, cached and uncached alike, when there is a relu
+to rewrite). After each step the cached export (one cache for the whole sequence) must give
+the same ONNX, encodings and lock file as an export without a cache, and a second cached
+export must be all hits. The sequence is drawn by hypothesis, derandomized: every run draws
+the same one; ``-m slow`` runs longer ones.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import gb_diff_helper as helper
+from gb_diff_helper import act
 
 
 class DiffNet(nn.Module):
-    """conv -> helper.act -> linear; fake-quantized (scales and zero points are buffers)
+    """conv -> act (from the helper module) -> linear; fake-quantized (scales and zero points are buffers)
     unless a preset quantizes it."""
 
     def __init__(self, act_bits=8, weight_bits=8, fake_quant=True):
@@ -78,9 +79,12 @@ class DiffNet(nn.Module):
     def forward(self, x):
         x = self.act(x, "x")
         x = F.conv2d(x, self.weight("conv"), self.conv.bias, padding=1)
-        x = self.act(helper.act(x), "a")
+        x = self.act(act(x), "a")
         return self.act(F.linear(torch.flatten(x, 1), self.weight("fc"), self.fc.bias), "out")
 '''
+
+# the model reaches the ops through a module-level alias in another module
+HELPER_SOURCE = "import gb_diff_ops as _ops\n\nact = _ops.act\n"
 
 # equal lengths: an edit that keeps the file's size (and, written at once, its mtime)
 HELPERS = {"relu": "x.relu()", "tanh": "x.tanh()", "sigmoid": "torch.sigmoid(x)"}
@@ -197,21 +201,25 @@ class World:
         self.recognizer = None
         self.state = State()
         (root / "gb_diff_model.py").write_text(MODEL_SOURCE)
+        (root / "gb_diff_helper.py").write_text(HELPER_SOURCE)
         self.write_helper("relu")
         importlib.invalidate_caches()
         self.model_module = importlib.import_module("gb_diff_model")
-        self.helper_module = sys.modules["gb_diff_helper"]
+        # reloaded in this order after an edit of the ops: each binds the one before by name
+        self.modules = ["gb_diff_ops", "gb_diff_helper", "gb_diff_model"]
 
     def write_helper(self, name: str) -> None:
         source = f"import torch\n\n\ndef act(x):\n    return {HELPERS[name]}\n"
-        (self.root / "gb_diff_helper.py").write_text(source)
+        (self.root / "gb_diff_ops.py").write_text(source)
 
     def apply(self, kind: str, value) -> None:
         old = self.state
         self.state = dataclasses.replace(old, **{kind: value})
         if kind == "helper" and value != old.helper:
             self.write_helper(value)
-            importlib.reload(self.helper_module)
+            for name in self.modules:
+                importlib.reload(sys.modules[name])
+            self.model_module = sys.modules["gb_diff_model"]
         if kind == "recognizer" and value != old.recognizer:
             if value:
                 self.recognizer = register_recognizer(SymmetricActivations(), first=True)
@@ -281,7 +289,7 @@ def world_factory(tmp_path_factory):
                 world.close()
             sys.path.remove(str(root))
             sys.dont_write_bytecode = saved
-            for name in ("gb_diff_model", "gb_diff_helper"):
+            for name in ("gb_diff_model", "gb_diff_helper", "gb_diff_ops"):
                 sys.modules.pop(name, None)
 
     return make
