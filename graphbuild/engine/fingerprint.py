@@ -61,10 +61,10 @@ _MAX_DEPTH = 12
 
 class _Tree(threading.local):
     """The model whose structure is being fingerprinted on this thread: (tensor id ->
-    state name, module id -> submodule name), empty outside a structure fingerprint."""
+    state name, module id -> submodule name, True), empty outside a structure fingerprint."""
 
     def __init__(self) -> None:
-        self.current: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {})
+        self.current: tuple[Mapping[int, str], Mapping[int, str], bool] = ({}, {}, False)
 
 
 _TREE = _Tree()
@@ -80,8 +80,6 @@ class _Walk:
         model: bool = False,
     ) -> None:
         self.active: set[int] = set()
-        # walking a model's structure: where its tensors live is not structure (see torch.device)
-        self.model = model
         self.path: list[str] = []
         # Within a structure fingerprint (and every fingerprint it starts: a closure's cells,
         # a partial's arguments), the model's own tensors and submodules, by id:
@@ -90,9 +88,11 @@ class _Walk:
         # - a submodule an attribute reaches (a traced GraphModule's owner, a bound method's
         #   object, a lambda's cell) is named by its place in the tree, whose structure and
         #   weights are fingerprinted where the tree holds it.
+        # - where its tensors live is not structure (see torch.device).
         tree = _TREE.current
         self.state_names: Mapping[int, str] = state_names or tree[0]
         self.module_names: Mapping[int, str] = module_names or tree[1]
+        self.model = model or tree[2]
 
     def child(self, label: str, value: Any) -> Any:
         if len(self.path) > _MAX_DEPTH:
@@ -684,7 +684,7 @@ def _structure_fingerprint(module: torch.nn.Module) -> StructureFingerprint:
     for name, sub in module.named_modules(remove_duplicate=False):
         module_names.setdefault(id(sub), name or "<root>")
     outer = _TREE.current
-    _TREE.current = (state_names, module_names)
+    _TREE.current = (state_names, module_names, True)
     try:
         return _tree_fingerprint(module, state_names, module_names)
     finally:
