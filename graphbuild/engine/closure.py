@@ -258,6 +258,10 @@ def _parse_module(source: bytes, path: str, name: str) -> _ModuleInfo:
     info = _ModuleInfo(package)
     effects: list[tuple[ast.AST, list[Need]]] = []  # effect statement, what it runs under
     defs: dict[str, list[ast.AST]] = {}
+    used: set[str] = set()  # every name the file reads
+
+    def uses(nodes: Iterable[ast.AST]) -> list[Need]:
+        return _uses(nodes, name, package, used)
 
     def bind(bound: str, needs: list[Need]) -> None:
         info.uses.setdefault(bound, []).extend(needs)
@@ -266,7 +270,7 @@ def _parse_module(source: bytes, path: str, name: str) -> _ModuleInfo:
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 defs.setdefault(node.name, []).append(node)
-                bind(node.name, [*heads, *_uses([node], name, package)])
+                bind(node.name, [*heads, *uses([node])])
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     bind(
@@ -289,16 +293,16 @@ def _parse_module(source: bytes, path: str, name: str) -> _ModuleInfo:
                     for t in targets
                     for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])
                 ]
-                needs = [*heads, *_uses(value, name, package)]
+                needs = [*heads, *uses(value)]
                 for e in elements:
                     if isinstance(e, ast.Name):  # x = ...: a binding (x += ...: keeps x)
                         bind(e.id, needs)
                     else:  # TABLE[k] = ..., obj.attr = ...: an effect on TABLE, obj
-                        effects.append((e, [*needs, *_uses([e], name, package)]))
+                        effects.append((e, [*needs, *uses([e])]))
             elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
                 parts = [getattr(node, a) for a in ("test", "iter") if hasattr(node, a)]
                 parts += [item.context_expr for item in getattr(node, "items", [])]
-                inner = [*heads, *_uses(parts, name, package)]
+                inner = [*heads, *uses(parts)]
                 if isinstance(node, ast.For):
                     for e in ast.walk(node.target):
                         if isinstance(e, ast.Name):
@@ -308,7 +312,7 @@ def _parse_module(source: bytes, path: str, name: str) -> _ModuleInfo:
                 for handler in getattr(node, "handlers", []):
                     visit(handler.body, inner)
             elif isinstance(node, ast.Expr):
-                effects.append((node.value, [*heads, *_uses([node], name, package)]))
+                effects.append((node.value, [*heads, *uses([node])]))
 
     tree = _parse(source, path)
     visit(tree.body, [])
@@ -318,7 +322,7 @@ def _parse_module(source: bytes, path: str, name: str) -> _ModuleInfo:
                 bind(changed, needs)
     # an import whose name the file never uses is there for its effect (programs.py imports
     # markers to register an op): it counts with everything the module defines
-    used = _used_names(tree)
+    used |= _exported_names(tree)
     imported_for_effect = [
         need
         for node in tree.body
@@ -332,9 +336,9 @@ def _parse_module(source: bytes, path: str, name: str) -> _ModuleInfo:
     return info
 
 
-def _used_names(tree: ast.Module) -> set[str]:
-    """Names a file reads anywhere, and the names its ``__all__`` exports."""
-    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+def _exported_names(tree: ast.Module) -> set[str]:
+    """The names a file's ``__all__`` exports (a re-export counts as a use)."""
+    used: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
@@ -399,10 +403,12 @@ def _import_base(node: ast.ImportFrom, package: str) -> str:
     return base
 
 
-def _uses(nodes: Iterable[ast.AST], module: str, package: str) -> list[Need]:
+def _uses(
+    nodes: Iterable[ast.AST], module: str, package: str, seen: set[str] | None = None
+) -> list[Need]:
     """Needs of some code in ``module``: the names it uses (looked up in the same module),
     the imports inside it, module paths it names in strings (``import_module("a.b")``), and
-    the whole module when it looks names up by string."""
+    the whole module when it looks names up by string. The names are added to ``seen``."""
     out: list[Need] = []
     names: set[str] = set()
     for node in nodes:
@@ -425,6 +431,8 @@ def _uses(nodes: Iterable[ast.AST], module: str, package: str) -> list[Need]:
     if names & _DYNAMIC:
         out.append((module, None, True))
     out += [(module, n, False) for n in sorted(names)]
+    if seen is not None:
+        seen |= names
     return out
 
 
@@ -439,19 +447,24 @@ class _Closure:
         self.out: dict[str, str] = {}
         self.files: dict[str, str] = {}  # path -> digest, to revalidate a memoized closure
         self.resolved: dict[str, str | None] = {}  # module -> the file it was found in
+        self.infos: dict[str, _ModuleInfo] = {}
         self.done: set[Need] = set()
 
     def find(self, module: str) -> str | None:
-        self.resolved[module] = find_file(module)
+        if module not in self.resolved:
+            self.resolved[module] = find_file(module)
         return self.resolved[module]
 
     def file(self, path: str) -> str:
-        self.files[path] = file_digest(path)
+        if path not in self.files:
+            self.files[path] = file_digest(path)
         return self.files[path]
 
     def info(self, path: str, module: str) -> _ModuleInfo:
-        self.file(path)
-        return _module_info(path, module)
+        if module not in self.infos:
+            self.file(path)
+            self.infos[module] = _module_info(path, module)
+        return self.infos[module]
 
     def run(self, needs: Iterable[Need]) -> None:
         todo = collections.deque(needs)

@@ -836,9 +836,27 @@ def _source(target: Any) -> str:
     if known is not None and known[0] == version:
         return known[1]
     linecache.updatecache(code.co_filename)  # its (mtime, size) check can miss an edit
-    source = inspect.getsource(target)
+    source = _code_source(code)
     _SOURCES[code] = (version, source)
     return source
+
+
+# where a function's source starts, as inspect.findsource looks for it
+_DEF_LINE = re.compile(r"^(\s*def\s)|(\s*async\s+def\s)|(.*(?<!\w)lambda(:|\s))|^(\s*@)")
+
+
+def _code_source(code: types.CodeType) -> str:
+    """inspect.getsource of a function, without inspect.getmodule (which scans every
+    loaded module on a miss): the block that starts at its first line in its file."""
+    lines = linecache.getlines(code.co_filename)
+    if not lines:
+        raise OSError(f"could not get the source of {code.co_name}")
+    lnum = code.co_firstlineno - 1
+    if lnum >= len(lines):
+        raise OSError(f"{code.co_filename} has no line {code.co_firstlineno}")
+    while lnum > 0 and not _DEF_LINE.match(lines[lnum]):
+        lnum -= 1
+    return "".join(inspect.getblock(lines[lnum:]))
 
 
 def _code_form(code: types.CodeType) -> Any:
