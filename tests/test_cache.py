@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import graphbuild.cache.store as store_module
-from graphbuild.cache import BlobStore, Cache
-from graphbuild.cache.index import ActionIndex
+from graphbuild.cache import Cache, FileBlobs
+from graphbuild.cache.local.index import DiskIndex
 from graphbuild.engine.hashing import digest_bytes
 from graphbuild.engine.pipeline import Pipeline
 from tests.engine_helpers import CALLS, reset, stage
@@ -156,8 +156,45 @@ def test_a_deleted_manifest_is_a_miss_and_rebuilt(tmp_path):
 
 
 def _many_weights(m, samples, ctx):
-    # enough tensors that the manifest outgrows diskcache's 32 KiB and becomes a file
+    # enough tensors that the manifest outgrows diskcache's 32 KiB file threshold
     return {f"t{i:04d}": torch.full((2,), float(i)) for i in range(400)}
+
+
+def test_a_large_manifest_is_kept_inside_the_index_database(tmp_path):
+    p = Pipeline(name="large")
+    p.register_stage(stage("many", _many_weights), "many", reads=())
+    cache = Cache(tmp_path / "cache")
+    key = p.run(None, cache=cache).report["many"].key
+    cache.close()
+
+    with db(tmp_path / "cache") as conn:
+        filename, value = conn.execute(
+            "SELECT filename, value FROM Cache WHERE key = ?", (f"m:{key}",)
+        ).fetchone()
+    assert filename is None and len(value) > 2**15  # no value file anyone could swap
+
+
+def _as_older_graphbuild_wrote_it(cache_dir, key: str) -> str:
+    """Rewrite a manifest row as graphbuild before 0.2 stored a large one: in a value file."""
+    import diskcache
+
+    from graphbuild.cache.local.index import JsonOnlyDisk
+
+    legacy = diskcache.Cache(
+        str(cache_dir / "index"),
+        disk=JsonOnlyDisk,
+        eviction_policy="none",
+        disk_min_file_size=2**15,
+    )
+    text = legacy.get(f"m:{key}")
+    legacy.set(f"m:{key}", text)
+    legacy.close()
+    with db(cache_dir) as conn:
+        (filename,) = conn.execute(
+            "SELECT filename FROM Cache WHERE key = ?", (f"m:{key}",)
+        ).fetchone()
+    assert filename, "the manifest should be stored as a file"
+    return filename
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
@@ -167,11 +204,9 @@ def test_a_large_manifest_file_deleted_or_truncated_is_a_miss_and_rebuilt(tmp_pa
     cache = Cache(tmp_path / "cache")
     first = p.run(None, cache=cache)
     cache.close()
-    with db(tmp_path / "cache") as conn:
-        (filename,) = conn.execute(
-            "SELECT filename FROM Cache WHERE key = ?", (f"m:{first.report['many'].key}",)
-        ).fetchone()
-    assert filename, "the manifest should be stored as a file"
+    filename = _as_older_graphbuild_wrote_it(tmp_path / "cache", first.report["many"].key)
+    reset()
+    assert p.run(None, cache=Cache(tmp_path / "cache")).report.ran == []  # still read
     path = tmp_path / "cache" / "index" / filename
     if damage == "delete":
         path.unlink()
@@ -487,7 +522,7 @@ def _no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-@pytest.mark.parametrize("target", [(BlobStore, "write"), (ActionIndex, "set_json")])
+@pytest.mark.parametrize("target", [(FileBlobs, "write"), (DiskIndex, "set_json")])
 def test_a_cache_that_cannot_be_written_warns_once_and_the_run_goes_on_uncached(
     tmp_path, monkeypatch, target
 ):

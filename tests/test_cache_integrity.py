@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 import graphbuild as gb
-from graphbuild.cache import BlobStore, Cache
+from graphbuild.cache import Cache, FileBlobs
 from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.engine.pipeline import Pipeline
@@ -212,7 +214,7 @@ def test_a_digest_that_is_not_32_hex_digits_never_becomes_a_path(tmp_path, warm)
     assert CALLS == ["weights"]  # rebuilt with the same digest: note is a cutoff
     assert files_under(tmp_path / "out") == clean
     with pytest.raises(ValueError, match="not a blob digest"):
-        BlobStore(cache_dir / "blobs").path(".." + str(victim))
+        FileBlobs(cache_dir / "blobs").path(".." + str(victim))
 
 
 def test_an_index_row_naming_a_value_file_outside_is_never_read_or_deleted(tmp_path, warm):
@@ -301,10 +303,11 @@ def test_failed_deletes_are_not_counted_as_freed(tmp_path, warm, monkeypatch):
     orphan = b"an orphan blob"
     cache.blobs.write(digest_bytes(orphan), orphan)
 
-    def refuse(self, missing_ok=False):
-        raise PermissionError(13, "Permission denied", str(self))
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(Path, "unlink", refuse)
+    monkeypatch.setattr(os, "unlink", refuse)
     report = cache.gc(grace=0)
 
     assert (report.removed_blobs, report.freed_bytes) == (0, 0)
@@ -362,7 +365,7 @@ def test_a_damaged_index_is_reported_quarantined_and_rebuilt(tmp_path, warm, dam
 def test_blobs_honour_the_umask(tmp_path, umask):
     old = os.umask(umask)
     try:
-        store = BlobStore(tmp_path / "blobs")
+        store = FileBlobs(tmp_path / "blobs")
         data = b"shared with the group"
         store.write(digest_bytes(data), data)
         mode = stat.S_IMODE(store.path(digest_bytes(data)).stat().st_mode)
@@ -427,3 +430,390 @@ def test_a_read_only_cache_gives_hits(warm):
         for p in [base, *base.rglob("*")]:
             p.chmod(0o755 if p.is_dir() else 0o644)
         shutil.rmtree(base)
+
+
+# --------------------------------------------------------------------------- records
+
+
+@pytest.mark.parametrize("codecs", [1, [1], "x", None, {"tensors": 1}, {"tensors": ["a"]}])
+def test_a_manifest_whose_codecs_are_not_a_table_of_versions_is_a_corrupt_entry(
+    tmp_path, warm, codecs
+):
+    cache_dir, clean = warm
+    key, m = of_stage(cache_dir, "weights")
+    m["codecs"] = codecs
+    rewrite(cache_dir, key, m)
+
+    reset()
+    export(tmp_path / "out", cache_dir)
+
+    assert CALLS == ["weights"]  # rebuilt with the same digest: note is a cutoff
+    assert files_under(tmp_path / "out") == clean
+    assert Cache(cache_dir).stats().corrupt == 1
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("code", 5),
+        ("upstream", [1]),
+        ("upstream", {"weights": 5}),
+        ("reads", 5),
+        ("reads", {"input.state": 5}),
+        ("reads", {"input.state": {"digest": 5}}),
+        ("toolchain", 5),
+        ("toolchain", {"torch": [1]}),
+        ("key", [1]),
+        ("digest", {"a": 1}),
+    ],
+)
+def test_a_malformed_explain_record_counts_as_no_record(tmp_path, warm, field, value):
+    cache_dir, clean = warm
+    with sqlite3.connect(str(cache_dir / "index" / "cache.db")) as conn:
+        rows = conn.execute("SELECT key, value FROM Cache WHERE key LIKE 'last:%'").fetchall()
+        assert rows
+        for key, text in rows:
+            record = json.loads(text)
+            record[field] = value
+            conn.execute("UPDATE Cache SET value = ? WHERE key = ?", (json.dumps(record), key))
+        conn.execute("DELETE FROM Cache WHERE key LIKE 'm:%'")  # every stage explains a miss
+
+    reset()
+    art = export(tmp_path / "out", cache_dir)
+
+    assert CALLS == ["weights", "note"]
+    assert files_under(tmp_path / "out") == clean
+    assert art.report["weights"].reason == "no cached result (first run)"
+    assert Cache(cache_dir).last_run("note:net", "weights")["code"] != value  # rewritten
+
+
+# --------------------------------------------------------------------------- symlinks
+
+
+def _shard_to(cache_dir: Path, victim: Path) -> None:
+    shard = next(p for p in (cache_dir / "blobs").iterdir() if p.name != "tmp")
+    shutil.rmtree(shard)
+    shard.symlink_to(victim, target_is_directory=True)
+
+
+def _blobs_to(cache_dir: Path, victim: Path) -> None:
+    shutil.rmtree(cache_dir / "blobs")
+    (cache_dir / "blobs").symlink_to(victim, target_is_directory=True)
+
+
+def _index_to(cache_dir: Path, victim: Path) -> None:
+    shutil.rmtree(cache_dir / "index")
+    (cache_dir / "index").symlink_to(victim, target_is_directory=True)
+
+
+def _db_to(cache_dir: Path, victim: Path) -> None:
+    other = victim / "other.db"
+    with sqlite3.connect(str(other)) as conn:
+        conn.execute("CREATE TABLE mine (x)")
+    shutil.rmtree(cache_dir / "index")
+    (cache_dir / "index").mkdir()
+    (cache_dir / "index" / "cache.db").symlink_to(other)
+
+
+def _tmp_to(cache_dir: Path, victim: Path) -> None:
+    shutil.rmtree(cache_dir / "blobs")
+    (cache_dir / "blobs").mkdir()
+    (cache_dir / "blobs" / "tmp").symlink_to(victim, target_is_directory=True)
+
+
+@pytest.mark.parametrize(
+    "plant", [_shard_to, _blobs_to, _index_to, _db_to, _tmp_to], ids=lambda f: f.__name__[1:]
+)
+def test_a_symlink_in_the_store_never_leads_a_write_or_delete_outside(tmp_path, warm, plant):
+    cache_dir, clean = warm
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("mine")
+    plant(cache_dir, victim)
+    before = files_under(victim)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the store says what it moved aside
+        export(tmp_path / "out", cache_dir)
+        assert files_under(victim) == before
+        cache = Cache(cache_dir)
+        cache.verify()
+        cache.gc(grace=0)
+        cache.prune(max_bytes=0)
+        export(tmp_path / "again", cache_dir)
+        Cache(cache_dir).clear()
+
+    assert files_under(victim) == before
+    assert sorted(p.name for p in victim.iterdir()) == sorted(Path(p).parts[0] for p in before)
+    assert files_under(tmp_path / "out") == clean
+    assert files_under(tmp_path / "again") == clean
+
+
+def test_a_store_repaired_after_a_planted_symlink_serves_hits_again(tmp_path, warm):
+    cache_dir, clean = warm
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    _blobs_to(cache_dir, victim)
+
+    with pytest.warns(RuntimeWarning, match="symbolic link"):
+        export(tmp_path / "out", cache_dir)
+    reset()
+    export(tmp_path / "again", cache_dir)
+
+    assert CALLS == []
+    assert list(victim.iterdir()) == []
+    assert not (cache_dir / "blobs").is_symlink()
+
+
+# --------------------------------------------------------------------------- shared directory
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o022])
+def test_the_index_honours_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        Cache(tmp_path / "cache").close()
+    finally:
+        os.umask(old)
+    index = tmp_path / "cache" / "index"
+    assert stat.S_IMODE(index.stat().st_mode) & 0o777 == 0o777 & ~umask
+    assert stat.S_IMODE((index / "cache.db").stat().st_mode) == 0o666 & ~umask
+
+
+MEMBER = """
+import json, os, sys, warnings
+sys.path.insert(0, sys.argv[3])
+os.umask(0o002)
+warnings.simplefilter("error")  # a well set-up shared cache is no cause for a warning
+from pathlib import Path
+from graphbuild.cache import Cache
+from tests.test_cache_integrity import export
+from tests.engine_helpers import CALLS
+cache = Cache(sys.argv[1])
+export(Path(sys.argv[2]), cache)
+print(json.dumps({"calls": CALLS, "writable": cache.writable, "hits": cache.stats().hits}))
+"""
+
+
+def _as_member(uid: int, gid: int) -> list[str]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run as two members of one group")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: cannot act as two users")
+    return [setpriv, f"--reuid={uid}", f"--regid={gid}", f"--groups={gid}", "--"]
+
+
+def test_a_group_shared_cache_directory_gives_a_second_member_hits(tmp_path):
+    base = Path(tempfile.mkdtemp(prefix="gb-group-", dir="/tmp"))
+    gid = 61000
+    try:
+        base.chmod(0o755)
+        shared = base / "cache"
+        shared.mkdir()
+        os.chown(shared, 0, gid)
+        shared.chmod(0o2775)  # the documented set-up: chmod g+s, umask 002
+        script = base / "member.py"
+        script.write_text(textwrap.dedent(MEMBER))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(base)}
+        results = []
+        for uid in (61001, 61002):
+            out = base / f"out{uid}"
+            out.mkdir()
+            os.chown(out, uid, gid)
+            proc = subprocess.run(
+                [
+                    *_as_member(uid, gid),
+                    sys.executable,
+                    str(script),
+                    str(shared),
+                    str(out / "n"),
+                    str(ROOT),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=base,
+                timeout=300,
+            )
+            assert proc.returncode == 0, proc.stderr
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+    first, second = results
+    assert first["calls"] == ["weights", "note"]
+    assert second["calls"] == []  # every stage hit
+    assert second["writable"] is True and second["hits"] == 2
+
+
+def test_a_cache_whose_index_alone_is_read_only_is_read_with_a_warning(warm):
+    cache_dir, clean = warm
+    base = Path(tempfile.mkdtemp(prefix="gb-ro-", dir="/tmp"))
+    try:
+        shared = base / "cache"
+        shutil.copytree(cache_dir, shared)
+        out = base / "out"
+        out.mkdir()
+        script = base / "reader.py"
+        script.write_text(textwrap.dedent(READER).replace('"error"', '"always"'))
+        for p in [shared / "index", *(shared / "index").rglob("*")]:
+            p.chmod(0o555 if p.is_dir() else 0o444)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(base)}
+        proc = subprocess.run(
+            [*_as_reader(), sys.executable, str(script), str(shared), str(out / "net"), str(ROOT)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=base,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert doc["calls"] == []  # every stage hit
+        assert "index" in proc.stderr and "not writable" in proc.stderr
+        assert files_under(out / "net") == clean
+    finally:
+        for p in [base, *base.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        shutil.rmtree(base)
+
+
+# --------------------------------------------------------------------------- damage, maintenance
+
+
+def test_an_index_that_is_a_regular_file_is_quarantined_and_rebuilt(tmp_path, warm):
+    cache_dir, clean = warm
+    shutil.rmtree(cache_dir / "index")
+    (cache_dir / "index").write_text("not a directory")
+
+    with pytest.warns(RuntimeWarning, match="was damaged"):
+        cache = Cache(cache_dir)
+    reset()
+    export(tmp_path / "out", cache)
+    reset()
+    export(tmp_path / "again", Cache(cache_dir))
+
+    assert cache.quarantined is not None and cache.quarantined.read_text() == "not a directory"
+    assert CALLS == []  # the fresh index serves hits
+    assert files_under(tmp_path / "again") == clean
+
+
+def test_verify_on_a_read_only_cache_reports_without_repairing(warm):
+    cache_dir, _ = warm
+    base = Path(tempfile.mkdtemp(prefix="gb-ro-", dir="/tmp"))
+    try:
+        shared = base / "cache"
+        shutil.copytree(cache_dir, shared)
+        blob = next(p for p in (shared / "blobs").rglob("*") if p.is_file())
+        blob.write_bytes(b"flipped")
+        for p in [shared, *shared.rglob("*")]:
+            p.chmod(0o555 if p.is_dir() else 0o444)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(base)}
+        proc = subprocess.run(
+            [
+                *_as_reader(),
+                sys.executable,
+                "-m",
+                "graphbuild",
+                "cache",
+                "verify",
+                "--json",
+                "--cache-dir",
+                str(shared),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=base,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        doc = json.loads(proc.stdout)
+        assert len(doc["corrupt"]) >= 2  # the blob and the entry naming it
+        assert doc["removed_blobs"] == doc["removed_entries"] == 0
+        assert any("read-only" in n for n in doc["notes"])
+        assert blob.read_bytes() == b"flipped"
+    finally:
+        for p in [base, *base.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        shutil.rmtree(base)
+
+
+OPENER = """
+import json, sys, time, warnings
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from graphbuild.cache import Cache
+sync = Path(sys.argv[2])
+(sync / f"ready-{sys.argv[4]}").touch()
+while not (sync / "go").exists():
+    time.sleep(0.001)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    cache = Cache(sys.argv[1])
+    cache.index.set_json("m:probe" + sys.argv[4], {"x": 1})
+print(json.dumps({"writable": cache.writable, "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_processes_opening_a_damaged_index_at_once_quarantine_it_once(tmp_path, warm):
+    cache_dir, _ = warm
+    for p in (cache_dir / "index").glob("cache.db-*"):
+        p.unlink()
+    _random(cache_dir / "index" / "cache.db")
+    script, sync = tmp_path / "opener.py", tmp_path / "sync"
+    script.write_text(textwrap.dedent(OPENER))
+    sync.mkdir()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(cache_dir), str(sync), str(ROOT), str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
+    deadline = time.time() + 120
+    while len(list(sync.glob("ready-*"))) < 4 and time.time() < deadline:
+        time.sleep(0.01)
+    (sync / "go").touch()
+    docs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        docs.append(json.loads(out.strip().splitlines()[-1]))
+
+    assert all(d["writable"] for d in docs), docs
+    assert len(list(cache_dir.glob("index.damaged-*"))) == 1
+    assert {k for k in Cache(cache_dir).index.keys("m:probe")} == {f"m:probe{i}" for i in range(4)}
+
+
+def test_stats_on_a_damaged_index_reports_it_and_moves_nothing(tmp_path, warm):
+    cache_dir, _ = warm
+    for p in (cache_dir / "index").glob("cache.db-*"):
+        p.unlink()
+    _truncate(cache_dir / "index" / "cache.db")
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "graphbuild",
+            "cache",
+            "stats",
+            "--json",
+            "--cache-dir",
+            str(cache_dir),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["damaged"] and doc["quarantined"] is None
+    assert list(cache_dir.glob("index.damaged-*")) == []
+    assert doc["blobs"] > 0

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from graphbuild.cache import BlobStore, Cache
+from graphbuild.cache import Cache, FileBlobs
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.scheduler import EventKind
 from graphbuild.errors import StageError, UndeclaredReadError
@@ -87,9 +87,9 @@ def test_second_run_of_an_unchanged_pipeline_hits_everything_and_reads_no_artifa
     first, _ = run(export_pipeline(), tiny_net(), cache)
     assert first.report.ran == ["capture", "to_onnx", "weights", "bind", "encodings"]
     blob_reads = []
-    real_read = BlobStore.read
+    real_read = FileBlobs.read
     monkeypatch.setattr(
-        BlobStore, "read", lambda self, *a, **k: blob_reads.append(a) or real_read(self, *a, **k)
+        FileBlobs, "read", lambda self, *a, **k: blob_reads.append(a) or real_read(self, *a, **k)
     )
 
     # a fresh pipeline and a fresh model with equal weights: the next export, as a user runs it

@@ -32,9 +32,11 @@ def check_manifest(key: str, manifest: Any) -> dict[str, Any]:
     _count(manifest, "bytes")
     for field in ("seconds", "created", "last_used"):
         _number(manifest, field)
-    for field in ("stage", "pipeline"):
+    for field in ("stage", "pipeline", "code"):
         if field in manifest and type(manifest[field]) is not str:
             raise InvalidManifest(f"'{field}' is not a string")
+    if not _table_of(manifest.get("codecs", {}), str):
+        raise InvalidManifest("'codecs' is not a table of codec versions")
     check_artifact(manifest.get("artifact"))
     if manifest.get("bytes", 0) != sum(s for _, s in _blobs(manifest["artifact"])):
         raise InvalidManifest("'bytes' is not the size of its blobs")
@@ -73,6 +75,68 @@ def check_artifact(description: Any, depth: int = 0) -> str:
     if not is_digest(description["digest"]) or digest != description["digest"]:
         raise InvalidManifest("artifact does not match its digest")
     return digest
+
+
+def check_run_record(record: Any) -> dict[str, Any] | None:
+    """``record`` if it has the shape of what the scheduler records about a stage's last run
+    (``explain`` compares against it); None otherwise: a malformed record is no record."""
+    if type(record) is not dict:
+        return None
+    for field, kinds in _RECORD_FIELDS.items():
+        if field in record and type(record[field]) not in kinds:
+            return None
+    if not _table_of(record.get("toolchain", {}), *_SCALARS):
+        return None
+    if not _table_of(record.get("upstream", {}), str, type(None)):
+        return None
+    reads = record.get("reads", {})
+    if type(reads) is not dict:
+        return None
+    for reading in reads.values():
+        if type(reading) is not dict:
+            return None
+        if type(reading.get("digest")) not in (str, type(None)):
+            return None
+        if type(reading.get("details") or {}) is not dict:
+            return None
+    return record
+
+
+def check_placement_stamp(stamp: Any) -> dict[str, Any] | None:
+    """``stamp`` if it has the shape of a placement stamp; None otherwise. Placement checks
+    the names it holds against the files the pipeline declares."""
+    if type(stamp) is not dict or not _table_of(stamp.get("products"), str):
+        return None
+    if stamp.get("external_data") not in (None, True, False):
+        return None
+    files = stamp.get("files")
+    if type(files) is not list:
+        return None
+    for item in files:
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
+            return None
+        if type(item[1]) is not dict:
+            return None
+    return stamp
+
+
+_SCALARS = (str, int, float, bool, type(None))
+_RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "key": (str, type(None)),
+    "code": (str,),
+    "digest": (str, type(None)),
+    "status": (str, type(None)),
+    "when": (int, float, type(None)),
+    "seconds": (int, float, type(None)),
+    "toolchain": (dict,),
+    "upstream": (dict,),
+    "reads": (dict,),
+}
+
+
+def _table_of(value: Any, *kinds: type) -> bool:
+    """True for a JSON object whose values are all of ``kinds``."""
+    return type(value) is dict and all(type(v) in kinds for v in value.values())
 
 
 def _blobs(description: dict[str, Any]) -> list[tuple[str, int]]:

@@ -1,22 +1,17 @@
 """The cache: an action cache (key -> manifest) over a content-addressed blob store.
 
-Reads verify every manifest against its own digest and every blob against its digest; a corrupt
-or missing entry is counted, removed and treated as a miss, never an error. Writes are atomic; a
-cache that cannot be written (full disk) warns once and the run goes on uncached; a read-only
-cache (a mounted team cache, a CI runner) is read without a warning and gives hits.
-
-A cache directory carries a marker file (``CACHEDIR.TAG``) written when it is created;
-maintenance (clean, prune, gc, verify with repair) refuses a directory without it, and removes
-only names the store itself writes. A damaged index database is reported, moved aside
-(``index.damaged-...``) and replaced by a fresh one.
+:class:`Cache` works over any pair of stores (:mod:`graphbuild.cache.base`): the local
+directory, a Redis server, or both layered. Reads verify every manifest against its own digest
+and every blob against its digest; a corrupt or missing entry is counted, removed and treated
+as a miss, never an error. Writes are atomic; a cache that cannot be written (full disk, an
+unreachable server) warns once and the run goes on uncached; a read-only cache (a mounted team
+cache, a CI runner, a consumer of a shared server) is read without a warning and gives hits.
+Explain records and placement stamps are checked for shape: a malformed one is no record.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sqlite3
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -24,37 +19,31 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from graphbuild.cache.blobs import BlobStore, CorruptBlob
-from graphbuild.cache.index import ActionIndex, IndexDamaged, ReadOnlyIndex
-from graphbuild.cache.manifest import InvalidManifest, check_manifest
+from graphbuild.cache.base import CorruptBlob, Stores
+from graphbuild.cache.local import MARKER, default_cache_dir, open_local
+from graphbuild.cache.manifest import (
+    InvalidManifest,
+    check_manifest,
+    check_placement_stamp,
+    check_run_record,
+)
 from graphbuild.engine.codecs import Encoded, blob_digests, decode
 from graphbuild.errors import CacheError
+
+__all__ = [
+    "MARKER",
+    "Cache",
+    "CacheEntry",
+    "CacheStats",
+    "CorruptEntry",
+    "MaintenanceReport",
+    "default_cache_dir",
+]
 
 _MANIFEST = "m:"
 _LAST = "last:"
 _PLACED = "placed:"
 _TOUCH_EVERY = 60.0
-MARKER = "CACHEDIR.TAG"
-_MARKER_TEXT = (
-    "Signature: 8a477f597d28d172789f06886806bc55\n"
-    "# This file is a cache directory tag created by graphbuild.\n"
-    "# For information about cache directory tags see https://bford.info/cachedir/\n"
-)
-_OWN_NAMES = {"index", "blobs"}  # what a cache made before the marker holds
-
-
-def default_cache_dir() -> Path:
-    """``$GRAPHBUILD_CACHE_DIR``, else the platform's user cache directory."""
-    env = os.environ.get("GRAPHBUILD_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    if sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    elif os.name == "nt":
-        base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local"))
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "graphbuild"
 
 
 class CorruptEntry(Exception):
@@ -75,6 +64,7 @@ class CacheStats:
     size_limit: int | None
     readonly: bool = False
     quarantined: str | None = None
+    damaged: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,7 +99,11 @@ class MaintenanceReport:
 
 
 class Cache:
-    """Action cache + blob store at ``path`` (default: :func:`default_cache_dir`)."""
+    """Action cache + blob store. ``Cache(path)``: the local directory at ``path`` (default
+    :func:`default_cache_dir`); with ``url``, layered over the shared cache there (local
+    first, hits copied down, results pushed up; ``remote_readonly``: never push).
+    :meth:`over` builds one over any pair of stores, :meth:`remote` over a shared cache alone
+    (for maintenance)."""
 
     def __init__(
         self,
@@ -117,118 +111,71 @@ class Cache:
         size_limit: int | None = None,
         *,
         readonly: bool = False,
+        url: str | None = None,
+        remote_readonly: bool = False,
+        repair: bool = True,
     ):
-        self.path = Path(path).expanduser() if path is not None else default_cache_dir()
-        self.size_limit = size_limit
-        self.blobs = BlobStore(self.path / "blobs")
-        self._writable = not readonly
-        self.readonly = readonly
-        self.quarantined: Path | None = None
-        self._index: ActionIndex | ReadOnlyIndex | None = None
-        if not readonly:
-            try:
-                self.path.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                if not self.path.is_dir():
-                    raise CacheError(f"cannot create the cache at {self.path}: {err}") from err
-            self.readonly = not os.access(self.path, os.W_OK)
-            self._writable = not self.readonly
-        if self._writable:
-            self._mark()
-            self._open_index()
-        else:
-            self._open_read_only()
+        stores = open_local(path, readonly=readonly, repair=repair)
+        if url:
+            from graphbuild.cache.layered import layered
+            from graphbuild.cache.remote import open_remote
 
-    def _mark(self) -> None:
-        """Write the marker into a new, empty or pre-marker cache directory; refuse a
-        directory that holds anything else (``$HOME``, ``/``, a project)."""
-        if self.marked:
-            return
-        try:
-            names = {e.name for e in os.scandir(self.path)}
-        except OSError as err:
-            raise CacheError(f"cannot read the cache directory {self.path}: {err}") from err
-        if not names <= _OWN_NAMES:
-            shown = ", ".join(sorted(names)[:5])
-            raise CacheError(
-                f"{self.path} is not a graphbuild cache (no {MARKER}) and is not empty "
-                f"(it holds {shown}...); point the cache at a new or empty directory "
-                "(--cache-dir, GRAPHBUILD_CACHE_DIR or [cache] dir)"
-            )
-        try:
-            fd = os.open(self.path / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            return
-        except OSError as err:
-            self._write_failed(err)
-            return
-        with os.fdopen(fd, "w") as f:
-            f.write(_MARKER_TEXT)
+            try:
+                remote = open_remote(url, readonly=remote_readonly)
+            except CacheError:
+                stores.close()
+                raise
+            stores = layered(stores, remote)
+        self._attach(stores, size_limit)
+
+    @classmethod
+    def over(cls, stores: Stores, size_limit: int | None = None) -> Cache:
+        """A cache over ``stores`` (any index and blob store, :mod:`graphbuild.cache.base`)."""
+        cache = cls.__new__(cls)
+        cache._attach(stores, size_limit)
+        return cache
+
+    @classmethod
+    def remote(cls, url: str, *, readonly: bool = False) -> Cache:
+        """The shared cache at ``url`` alone (``graphbuild cache ... --cache-url``)."""
+        from graphbuild.cache.remote import open_remote
+
+        return cls.over(open_remote(url, readonly=readonly))
+
+    def _attach(self, stores: Stores, size_limit: int | None) -> None:
+        self.stores = stores
+        self.path: Path | None = stores.path
+        self.location = stores.location
+        self.size_limit = size_limit
+        self.blobs = stores.blobs
+        self._index = stores.index
+        self.readonly = stores.readonly
+        self._writable = not stores.readonly and stores.index is not None
+        self.quarantined = stores.quarantined
+        self.damage = stores.damage
 
     @property
     def marked(self) -> bool:
-        """True when the directory carries graphbuild's cache marker."""
-        try:
-            with open(self.path / MARKER) as f:
-                return "graphbuild" in f.read(4096)
-        except (OSError, UnicodeDecodeError):
-            return False
-
-    def _open_index(self) -> None:
-        directory = self.path / "index"
-        try:
-            self._index = ActionIndex(directory)
-            return
-        except IndexDamaged as err:
-            damage = err
-        except (OSError, sqlite3.Error) as err:
-            self._write_failed(err)
-            return
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        aside = self.path / f"index.damaged-{stamp}-{os.getpid()}"
-        try:
-            os.replace(directory, aside)
-            self._index = ActionIndex(directory)
-        except (OSError, sqlite3.Error, IndexDamaged) as err:
-            self._write_failed(err)
-            return
-        self.quarantined = aside
-        warnings.warn(
-            f"graphbuild: the cache index at {directory} was damaged ({damage}); moved it "
-            f"to {aside} and started a fresh index (entries are rebuilt on the next export; "
-            "delete the damaged copy once you no longer need it)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-    def _open_read_only(self) -> None:
-        try:
-            self._index = ReadOnlyIndex(self.path / "index")
-        except (IndexDamaged, OSError, sqlite3.Error) as err:
-            warnings.warn(
-                f"graphbuild: the read-only cache at {self.path} has no readable index "
-                f"({err}); going on without it",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        """True when maintenance may remove things here (a local directory carries
+        graphbuild's marker; a server's keys are all graphbuild's own)."""
+        return self.stores.maintainable() is None
 
     # ----------------------------------------------------------------- internals
 
     @property
-    def index(self) -> ActionIndex | ReadOnlyIndex:
+    def index(self) -> Any:
         if self._index is None:
-            raise CacheError(f"the cache index at {self.path} cannot be opened")
+            why = f": {self.damage}" if self.damage else ""
+            raise CacheError(f"the cache index at {self.location} cannot be opened{why}")
         return self._index
 
-    def _maintainable(self, what: str) -> ActionIndex | ReadOnlyIndex:
+    def _maintainable(self, what: str) -> Any:
         """The index, for maintenance that removes things: only in a marked, writable cache."""
         if self.readonly or not self._writable:
-            raise CacheError(f"cannot {what} the cache at {self.path}: it is read-only")
-        if not self.marked:
-            raise CacheError(
-                f"refusing to {what} {self.path}: it carries no graphbuild cache marker "
-                f"({MARKER}), so it may not be a cache; remove files there by hand"
-            )
+            raise CacheError(f"cannot {what} the cache at {self.location}: it is read-only")
+        refusal = self.stores.maintainable()
+        if refusal is not None:
+            raise CacheError(f"refusing to {what} {self.location}: {refusal}")
         return self.index
 
     @property
@@ -238,7 +185,7 @@ class Cache:
     def _write_failed(self, err: BaseException) -> None:
         if self._writable:
             warnings.warn(
-                f"graphbuild: cannot write to the cache at {self.path} ({err}); "
+                f"graphbuild: cannot write to the cache at {self.location} ({err}); "
                 "going on without caching",
                 RuntimeWarning,
                 stacklevel=3,
@@ -250,7 +197,7 @@ class Cache:
             return
         try:
             self._index.incr(counter, delta)
-        except (OSError, sqlite3.Error) as err:
+        except OSError as err:
             self._write_failed(err)
 
     def _manifest(self, key: str) -> dict[str, Any] | None:
@@ -258,8 +205,8 @@ class Cache:
             return None
         try:
             manifest = self._index.get_json(_MANIFEST + key)
-        except (OSError, sqlite3.OperationalError):
-            return None  # the index is unreachable (locked, missing): a miss, not corruption
+        except OSError:
+            return None  # the index is unreachable (locked, a server down): a miss
         except Exception:  # a damaged row: pickled, not JSON, dangling value file...
             self._discard(key)
             return None
@@ -277,7 +224,7 @@ class Cache:
         if self._index is not None and self._writable:
             try:
                 self._index.delete(_MANIFEST + key)
-            except (OSError, sqlite3.Error) as err:
+            except OSError as err:
                 self._write_failed(err)
 
     # ----------------------------------------------------------------- the run's API
@@ -305,7 +252,7 @@ class Cache:
         manifest["last_used"] = now
         try:
             self.index.set_json(_MANIFEST + key, manifest)
-        except (OSError, sqlite3.Error) as err:
+        except OSError as err:
             self._write_failed(err)
 
     def count_miss(self) -> None:
@@ -346,21 +293,21 @@ class Cache:
             for part in encoded.all_parts():
                 self.blobs.write(part.digest, part.data)
             self._index.set_json(_MANIFEST + key, manifest)
-        except (OSError, sqlite3.Error) as err:
+        except OSError as err:
             self._write_failed(err)
             return False
         return True
 
     def last_run(self, pipeline: str, stage: str) -> dict[str, Any] | None:
         """What a stage read the last time it ran for ``pipeline`` (for ``explain``)."""
-        return self._record(f"{_LAST}{pipeline}:{stage}")
+        return check_run_record(self._record(f"{_LAST}{pipeline}:{stage}"))
 
     def record_run(self, pipeline: str, stage: str, record: dict[str, Any]) -> None:
         self._set_record(f"{_LAST}{pipeline}:{stage}", record)
 
     def placement(self, key: str) -> dict[str, Any] | None:
         """The stamp of what an export last placed in an output directory."""
-        return self._record(f"{_PLACED}{key}")
+        return check_placement_stamp(self._record(f"{_PLACED}{key}"))
 
     def record_placement(self, key: str, stamp: dict[str, Any]) -> None:
         self._set_record(f"{_PLACED}{key}", stamp)
@@ -379,7 +326,7 @@ class Cache:
             return
         try:
             self._index.set_json(key, value)
-        except (OSError, sqlite3.Error) as err:
+        except OSError as err:
             self._write_failed(err)
 
     # ----------------------------------------------------------------- maintenance
@@ -426,10 +373,11 @@ class Cache:
             corrupt=idx.counter("corrupt") if idx else 0,
             bytes_saved=idx.counter("bytes_saved") if idx else 0,
             seconds_saved=(idx.counter("ms_saved") / 1000.0) if idx else 0.0,
-            path=str(self.path),
+            path=self.location,
             size_limit=self.size_limit,
             readonly=self.readonly,
             quarantined=str(self.quarantined) if self.quarantined else None,
+            damaged=self.damage,
         )
 
     def size(self) -> int:
@@ -496,19 +444,23 @@ class Cache:
                 if freed is not None:
                     report.freed_bytes += freed
                     report.removed_blobs += 1
-        for tmp in self.blobs.stale_temps(now - max(grace, 3600.0)):
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+        self.blobs.sweep(now - max(grace, 3600.0))
         return report
 
     def verify(self, repair: bool = True) -> MaintenanceReport:
         """Re-hash every blob and check every manifest; with ``repair``, delete corrupt blobs
-        and the entries that reference them or fail their own checks (they become misses)."""
+        and the entries that reference them or fail their own checks (they become misses).
+        A read-only cache is checked and reported on, never repaired."""
+        report = self._report(corrupt=[], notes=list(self._report().notes or []))
+        assert report.corrupt is not None and report.notes is not None
+        if repair and self.readonly:
+            repair = False
+            report.notes.append(f"the cache at {self.location} is read-only: reported only")
         if repair:
             self._maintainable("repair")
-        index = self.index
-        report = self._report(corrupt=[])
-        assert report.corrupt is not None
+        if self._index is None:
+            report.corrupt.append(f"index ({self.damage or 'cannot be opened'})")
+        index = self._index
         bad: set[str] = set()
         for digest, _size, _ in list(self.blobs.all()):
             report.checked_blobs += 1
@@ -520,7 +472,7 @@ class Cache:
                     if freed is not None:
                         report.freed_bytes += freed
                         report.removed_blobs += 1
-        for k in list(index.keys(_MANIFEST)):
+        for k in list(index.keys(_MANIFEST)) if index is not None else []:
             key = k[len(_MANIFEST) :]
             report.checked_entries += 1
             try:
@@ -543,7 +495,7 @@ class Cache:
         self._count("corrupt")
         try:
             return self.index.delete(index_key)
-        except (OSError, sqlite3.Error):
+        except OSError:
             return False
 
     def clear(self) -> MaintenanceReport:
@@ -564,11 +516,10 @@ class Cache:
         return self.prune(max_bytes=self.size_limit)
 
     def close(self) -> None:
-        if self._index is not None:
-            self._index.close()
+        self.stores.close()
 
     def __repr__(self) -> str:
-        return f"Cache({str(self.path)!r})"
+        return f"Cache({self.location!r})"
 
 
 def _why(err: BaseException) -> str:

@@ -1,0 +1,138 @@
+"""The cache's two stores, as protocols: an action index and a blob store.
+
+:class:`~graphbuild.cache.store.Cache` works over any pair: the local directory
+(:mod:`graphbuild.cache.local`), a Redis server (:mod:`graphbuild.cache.redis`), or the two
+layered (:mod:`graphbuild.cache.layered`). The split follows Hamilton's caching stores: key ->
+small JSON record in one store, digest -> bytes in the other, and nothing else in common.
+
+What every backend promises (``tests/test_cache_contract.py`` checks each one):
+
+- Whatever a store returns is untrusted data. The index returns JSON objects (or raises
+  ``ValueError`` for a row that is not one); the blob store returns bytes only after checking
+  them against their digest. Only 32 lowercase hex digits are a digest; anything else is
+  refused before it names a path or a key.
+- A store that cannot be reached or written raises ``OSError`` (:class:`StoreUnavailable` for
+  a backend that is not a file system); a read that fails that way is a miss, a write that
+  fails that way turns caching off for the run, with one warning.
+- Maintenance (``delete``, ``clear``, ``sweep``) removes only what the store itself writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+class StoreUnavailable(OSError):
+    """A store that cannot be reached, opened or written right now."""
+
+
+class CorruptBlob(Exception):
+    """A blob that is missing, truncated or whose bytes do not match its digest."""
+
+    def __init__(self, digest: str, why: str):
+        self.digest = digest
+        super().__init__(f"blob {str(digest)[:16]!s}... {why}")
+
+
+def read_only_error(where: str = "") -> OSError:
+    """The error a read-only store raises on a write."""
+    return OSError(errno.EROFS, os.strerror(errno.EROFS), where or None)
+
+
+@runtime_checkable
+class ActionIndex(Protocol):
+    """Key -> JSON object (manifests, explain records, placement stamps), and counters."""
+
+    readonly: bool
+
+    def get_json(self, key: str) -> dict[str, Any] | None:
+        """The object under ``key``; None when absent; ``ValueError`` (or another
+        exception that is not ``OSError``) when the row is not a JSON object."""
+        ...
+
+    def set_json(self, key: str, value: dict[str, Any]) -> None: ...
+
+    def delete(self, key: str) -> bool:
+        """True when the key was there and is gone."""
+        ...
+
+    def keys(self, prefix: str) -> Iterator[str]: ...
+
+    def incr(self, counter: str, delta: int = 1) -> None: ...
+
+    def counter(self, counter: str) -> int:
+        """A counter's value; 0 when absent or not a number."""
+        ...
+
+    def clear(self) -> None:
+        """Remove every row the index wrote."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class BlobStore(Protocol):
+    """Digest -> bytes, content-addressed: a blob's name is the xxh3-128 of its bytes."""
+
+    readonly: bool
+
+    def has(self, digest: str, size: int) -> bool:
+        """True when a blob of that size is stored (its bytes are checked on read)."""
+        ...
+
+    def write(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
+        """Store ``data`` under ``digest`` unless present; True when written. Atomic: a
+        reader sees the whole blob or none."""
+        ...
+
+    def read(self, digest: str, size: int | None = None) -> bytes:
+        """The blob's bytes, checked against its digest; raises :class:`CorruptBlob`."""
+        ...
+
+    def verify(self, digest: str) -> bool: ...
+
+    def delete(self, digest: str) -> int | None:
+        """The size freed; None when absent or when it could not be removed."""
+        ...
+
+    def all(self) -> Iterator[tuple[str, int, float]]:
+        """Every blob as (digest, size, time written)."""
+        ...
+
+    def sweep(self, older_than: float) -> int:
+        """Remove leftovers of writes that never finished, started before ``older_than``
+        (a time.time()); the number removed."""
+        ...
+
+    def clear(self) -> tuple[int, int]:
+        """Remove every blob the store wrote: (blobs removed, bytes freed)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Stores:
+    """An index and a blob store that belong together, and what the cache should know about
+    them: where they are (for messages), whether this process may write them, whether
+    maintenance may remove things there, and what opening them repaired or found damaged."""
+
+    index: ActionIndex | None
+    blobs: BlobStore
+    location: str
+    readonly: bool = False
+    maintainable: Callable[[], str | None] = field(default=lambda: None)
+    path: Path | None = None
+    quarantined: Path | None = None
+    damage: str | None = None
+
+    def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
+        self.blobs.close()
