@@ -108,13 +108,19 @@ class ExportArtifacts:
 
 
 def resolve_cache(cache: Cache | str | os.PathLike | bool | None) -> Cache | None:
-    """``None``: the default location; ``False``: no cache; a path or a Cache as given."""
+    """``None``: the default location (in front of ``$GRAPHBUILD_CACHE_URL`` when set);
+    ``False``: no cache; a URL (``redis://...``): the default location in front of that
+    shared cache; a path or a Cache as given."""
+    from graphbuild.cache.remote import default_cache_url, is_cache_url
+
     if cache is False:
         return None
     if isinstance(cache, Cache):
         return cache
     if cache is None or cache is True:
-        return Cache()
+        return Cache(url=default_cache_url())
+    if isinstance(cache, str) and is_cache_url(cache):
+        return Cache(url=cache)
     return Cache(cache)
 
 
@@ -184,7 +190,8 @@ def export(
 ) -> ExportArtifacts:
     """Export ``model`` (traced on ``data``) to ``output_directory/model_name.*``.
 
-    ``cache``: a Cache, a path, None for the default location, False for none.
+    ``cache``: a Cache, a path, a shared cache URL (``redis://host:port/db``, layered behind
+    the default directory), None for the default location, False for none.
     ``check_fingerprints`` recomputes every stage that hits and fails loudly when its output
     differs from the cached one (graphbuild's own test of its cache keys)."""
     return export_with_pipeline(

@@ -33,7 +33,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from graphbuild.errors import ConfigError
-from graphbuild.targets.base import STR, OptionType
+from graphbuild.targets.base import BOOL, STR, OptionType
 from graphbuild.targets.registry import DEFAULT_TARGET, all_targets, get_target
 
 __all__ = [
@@ -71,11 +71,15 @@ _TOP: dict[str, OptionType] = {
     "model_name": STR,
     "output_dir": STR,
     "cache_dir": STR,
+    "cache": _TABLE,
     "quantization": _TABLE,
     "options": _TABLE,
 }
 _QUANTIZATION: dict[str, OptionType] = {"preset": STR, "quantizer": STR}
-_TABLES: dict[str, dict[str, OptionType]] = {"quantization": _QUANTIZATION}
+# [cache]: dir (as cache_dir), url (a shared cache: redis://host:port/db), readonly (read the
+# shared cache, or the directory when no url is given, and never write it)
+_CACHE: dict[str, OptionType] = {"dir": STR, "url": STR, "readonly": BOOL}
+_TABLES: dict[str, dict[str, OptionType]] = {"quantization": _QUANTIZATION, "cache": _CACHE}
 
 #: What belongs to the file's model: a model given on the command line (``--model``, or
 #: ``--set model=...``) drops these from the file unless they are given there too.
@@ -273,6 +277,8 @@ class Config:
     model_name: str | None = None
     output_dir: Path = Path(DEFAULT_OUTPUT_DIR)
     cache_dir: Path | None = None
+    cache_url: str | None = None
+    cache_readonly: bool = False
     preset: str | None = None
     quantizer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -508,7 +514,14 @@ def _build(
         _split(quant["quantizer"], "quantization.quantizer")
     model = table.get("model")
     name = table.get("model_name") or (_stem(model) if model else None)
+    cache = table.get("cache", {})
     cache_dir = table.get("cache_dir")
+    if cache_dir is not None and cache.get("dir", cache_dir) != cache_dir:
+        raise ConfigError(
+            f"{where}: 'cache_dir' and 'cache.dir' disagree ({cache_dir!r} and "
+            f"{cache['dir']!r}); keep one"
+        )
+    cache_dir = cache.get("dir", cache_dir)
     target = table.get("target", DEFAULT_TARGET)
     options = dict(table.get("options", {}))
     for key in get_target(target).top_level_options:  # other targets' top-level keys: ignored
@@ -531,6 +544,8 @@ def _build(
         model_name=name,
         output_dir=_path(root, table.get("output_dir", DEFAULT_OUTPUT_DIR)),
         cache_dir=_path(root, cache_dir) if cache_dir else None,
+        cache_url=cache.get("url") or None,
+        cache_readonly=cache.get("readonly", False),
         preset=quant.get("preset"),
         quantizer=quant.get("quantizer"),
         options=options,

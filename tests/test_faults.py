@@ -417,13 +417,23 @@ def test_a_cache_dir_that_cannot_be_created_is_exit_2_naming_it_and_writes_nothi
     assert not out.exists()
 
 
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 @pytest.mark.parametrize("blocked", ["blobs", "index"])
 def test_a_cache_that_cannot_be_written_warns_once_and_the_export_goes_on_uncached(
-    warm, tmp_path, blocked
+    warm, tmp_path, monkeypatch, blocked
 ):
+    # as root, chmod stops nothing, and a file in place of a directory is damage the cache
+    # repairs: the disk fills up instead
+    from graphbuild.cache.local.blobs import FileBlobs
+    from graphbuild.cache.local.index import DiskIndex
+
+    monkeypatch.setattr(
+        *{"blobs": (FileBlobs, "write"), "index": (DiskIndex, "set_json")}[blocked], _no_space
+    )
     cache, out = tmp_path / "cache", tmp_path / "out"
-    cache.mkdir()
-    (cache / blocked).write_text("a regular file where the cache keeps a directory")
     with sandbox(warm.config.parent, cache), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         doc = export_into(warm, cache, out)
@@ -431,6 +441,7 @@ def test_a_cache_that_cannot_be_written_warns_once_and_the_export_goes_on_uncach
     messages = [str(w.message) for w in caught if "cannot write to the cache" in str(w.message)]
     assert len(messages) == 1, messages
     assert str(cache) in messages[0] and "without caching" in messages[0]
+    assert "No space left on device" in messages[0]
     assert set(statuses(doc).values()) == {"ran"}
     assert contents(out) == warm.files
 

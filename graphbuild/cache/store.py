@@ -116,16 +116,8 @@ class Cache:
         repair: bool = True,
     ):
         stores = open_local(path, readonly=readonly, repair=repair)
-        if url:
-            from graphbuild.cache.layered import layered
-            from graphbuild.cache.remote import open_remote
-
-            try:
-                remote = open_remote(url, readonly=remote_readonly)
-            except CacheError:
-                stores.close()
-                raise
-            stores = layered(stores, remote)
+        if url and stores.index is not None:
+            stores = _with_remote(stores, url, remote_readonly)
         self._attach(stores, size_limit)
 
     @classmethod
@@ -137,10 +129,14 @@ class Cache:
 
     @classmethod
     def remote(cls, url: str, *, readonly: bool = False) -> Cache:
-        """The shared cache at ``url`` alone (``graphbuild cache ... --cache-url``)."""
+        """The shared cache at ``url`` alone (``graphbuild cache ... --cache-url``); a
+        CacheError when it cannot be reached."""
         from graphbuild.cache.remote import open_remote
 
-        return cls.over(open_remote(url, readonly=readonly))
+        try:
+            return cls.over(open_remote(url, readonly=readonly))
+        except OSError as err:
+            raise CacheError(str(err)) from err
 
     def _attach(self, stores: Stores, size_limit: int | None) -> None:
         self.stores = stores
@@ -520,6 +516,25 @@ class Cache:
 
     def __repr__(self) -> str:
         return f"Cache({self.location!r})"
+
+
+def _with_remote(local: Stores, url: str, readonly: bool) -> Stores:
+    """``local`` in front of the shared cache at ``url``; ``local`` alone, with a warning,
+    when the server cannot be reached (the shared cache is an optimisation)."""
+    from graphbuild.cache.layered import layered
+    from graphbuild.cache.remote import open_remote
+
+    try:
+        remote = open_remote(url, readonly=readonly)
+    except OSError as err:
+        warnings.warn(
+            f"graphbuild: {err}; going on with the local cache", RuntimeWarning, stacklevel=4
+        )
+        return local
+    except CacheError:
+        local.close()
+        raise
+    return layered(local, remote)
 
 
 def _why(err: BaseException) -> str:

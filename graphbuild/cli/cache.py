@@ -1,5 +1,10 @@
 """``graphbuild cache ...``: look after the build cache (path, stats, ls, show, clean, prune,
-gc, verify). Nothing here imports torch, so these commands start quickly."""
+gc, verify). Nothing here imports torch, so these commands start quickly.
+
+Each command works on the local cache directory, or with ``--cache-url`` on the shared cache
+alone (given explicitly: ``[cache] url`` and ``$GRAPHBUILD_CACHE_URL`` are for exports, so a
+``clean`` never reaches the team's cache by accident). ``stats``, ``ls``, ``show`` and
+``verify --no-repair`` only look: a damaged index is reported, not moved aside."""
 
 from __future__ import annotations
 
@@ -14,10 +19,10 @@ from rich.text import Text
 from graphbuild.cli.errors import handles_errors
 from graphbuild.cli.options import (
     CacheDirOpt,
+    CacheUrlOpt,
     ConfigOpt,
     JsonOpt,
     load_cli_config,
-    open_cache,
     resolve_cache_path,
 )
 from graphbuild.cli.output import ago, emit_json, human_size, make_console, parse_age, parse_size
@@ -83,19 +88,30 @@ def cache_path(
         typer.echo(str(path))
 
 
-def _cache(cache_dir: Path | None, config: Path | None) -> Cache:
-    cache = open_cache(cache_dir, False, None if cache_dir else _cache_cfg(config))
-    assert cache is not None
-    return cache
+def _cache(
+    cache_dir: Path | None, config: Path | None, url: str | None = None, *, repair: bool = True
+) -> Cache:
+    """The local cache, or with ``url`` the shared one; ``repair=False``: look only."""
+    from graphbuild.cache import Cache
+
+    if url is not None:
+        if cache_dir is not None:
+            raise ConfigError("--cache-dir and --cache-url name two caches; give one")
+        return Cache.remote(url)
+    cfg = None if cache_dir else _cache_cfg(config)
+    return Cache(resolve_cache_path(cache_dir, cfg), repair=repair)
 
 
 @cache_app.command("stats")
 @handles_errors
 def cache_stats(
-    cache_dir: CacheDirOpt = None, config: CacheConfigOpt = None, as_json: JsonOpt = False
+    cache_dir: CacheDirOpt = None,
+    cache_url: CacheUrlOpt = None,
+    config: CacheConfigOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Size, entries, hits and misses, time saved."""
-    stats = _cache(cache_dir, config).stats()
+    stats = _cache(cache_dir, config, cache_url, repair=False).stats()
     if as_json:
         emit_json(stats.to_json())
         return
@@ -111,18 +127,26 @@ def cache_stats(
         f"saved         {stats.seconds_saved:.1f} s, {human_size(stats.bytes_saved)} not rebuilt",
     ):
         typer.echo(line)
+    if stats.damaged:
+        typer.echo(
+            f"damaged       {stats.damaged} (graphbuild cache verify moves it aside and starts "
+            "a fresh index)"
+        )
 
 
 @cache_app.command("ls")
 @handles_errors
 def cache_ls(
-    cache_dir: CacheDirOpt = None, config: CacheConfigOpt = None, as_json: JsonOpt = False
+    cache_dir: CacheDirOpt = None,
+    cache_url: CacheUrlOpt = None,
+    config: CacheConfigOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Every cache entry, most recently used first."""
-    cache = _cache(cache_dir, config)
+    cache = _cache(cache_dir, config, cache_url, repair=False)
     entries = cache.entries()
     if as_json:
-        emit_json({"path": str(cache.path), "entries": [asdict(e) for e in entries]})
+        emit_json({"path": cache.location, "entries": [asdict(e) for e in entries]})
         return
     for e in entries:
         typer.echo(
@@ -137,15 +161,16 @@ def cache_ls(
 def cache_show(
     key: Annotated[str, typer.Argument(help="A key or a unique prefix of one.")],
     cache_dir: CacheDirOpt = None,
+    cache_url: CacheUrlOpt = None,
     config: CacheConfigOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """One entry's manifest: stage, reads, output digests, sizes, timings."""
-    cache = _cache(cache_dir, config)
+    cache = _cache(cache_dir, config, cache_url, repair=False)
     matches = [e.key for e in cache.entries() if e.key.startswith(key)]
     if len(matches) != 1:
         found = "no entry" if not matches else f"{len(matches)} entries"
-        raise ConfigError(f"{found} in the cache at {cache.path} with a key starting '{key}'")
+        raise ConfigError(f"{found} in the cache at {cache.location} with a key starting '{key}'")
     manifest = cache.show(matches[0])
     if as_json:
         emit_json(manifest)
@@ -156,10 +181,13 @@ def cache_show(
 @cache_app.command("clean")
 @handles_errors
 def cache_clean(
-    cache_dir: CacheDirOpt = None, config: CacheConfigOpt = None, as_json: JsonOpt = False
+    cache_dir: CacheDirOpt = None,
+    cache_url: CacheUrlOpt = None,
+    config: CacheConfigOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Remove everything: entries, blobs, counters and last-run records."""
-    cache = _cache(cache_dir, config)
+    cache = _cache(cache_dir, config, cache_url)
     before = cache.size()
     _maintenance("clean", cache, cache.clear(), as_json, before)
 
@@ -178,6 +206,7 @@ def cache_prune(
         typer.Option("--older-than", help="Evict entries unused for AGE (30m, 12h, 7d)."),
     ] = None,
     cache_dir: CacheDirOpt = None,
+    cache_url: CacheUrlOpt = None,
     config: CacheConfigOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -186,7 +215,7 @@ def cache_prune(
         raise ConfigError("cache prune needs --max-size SIZE and/or --older-than AGE")
     max_bytes = parse_size(max_size) if max_size is not None else None
     age = parse_age(older_than) if older_than is not None else None
-    cache = _cache(cache_dir, config)
+    cache = _cache(cache_dir, config, cache_url)
     before = cache.size()
     _maintenance("prune", cache, cache.prune(max_bytes=max_bytes, older_than=age), as_json, before)
 
@@ -198,12 +227,13 @@ def cache_gc(
         str, typer.Option("--grace", help="Keep unreferenced blobs younger than AGE.")
     ] = "10m",
     cache_dir: CacheDirOpt = None,
+    cache_url: CacheUrlOpt = None,
     config: CacheConfigOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Remove blobs that no entry references."""
     seconds = parse_age(grace)
-    cache = _cache(cache_dir, config)
+    cache = _cache(cache_dir, config, cache_url)
     before = cache.size()
     _maintenance("gc", cache, cache.gc(grace=seconds), as_json, before)
 
@@ -215,10 +245,11 @@ def cache_verify(
         bool, typer.Option("--repair/--no-repair", help="Remove what is corrupt.")
     ] = True,
     cache_dir: CacheDirOpt = None,
+    cache_url: CacheUrlOpt = None,
     config: CacheConfigOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Re-hash every blob; corrupt blobs and the entries using them are removed (misses)."""
-    cache = _cache(cache_dir, config)
+    cache = _cache(cache_dir, config, cache_url, repair=repair)
     before = cache.size()
     _maintenance("verify", cache, cache.verify(repair=repair), as_json, before)

@@ -16,6 +16,8 @@ from typer.core import TyperCommand
 from graphbuild.cli.errors import handles_errors, stage_json
 from graphbuild.cli.options import (
     CacheDirOpt,
+    CacheReadonlyOpt,
+    CacheUrlOpt,
     ConfigOpt,
     FormatOpt,
     JsonOpt,
@@ -78,6 +80,8 @@ def export(
     output_dir: OutputOpt = None,
     name: NameOpt = None,
     cache_dir: CacheDirOpt = None,
+    cache_url: CacheUrlOpt = None,
+    cache_readonly: CacheReadonlyOpt = False,
     no_cache: NoCacheOpt = False,
     force: Annotated[
         list[str] | None,
@@ -113,7 +117,7 @@ def export(
         name=name,
         sets=sets,
     )
-    cache = open_cache(cache_dir, no_cache, cfg)
+    cache = open_cache(cache_dir, no_cache, cfg, url=cache_url, readonly=cache_readonly)
     if dry_run:
         show_status(cfg, cache, as_json)
         return

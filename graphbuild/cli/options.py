@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CacheDirOpt",
+    "CacheReadonlyOpt",
+    "CacheUrlOpt",
     "ConfigOpt",
     "FormatOpt",
     "JsonOpt",
@@ -35,6 +37,7 @@ __all__ = [
     "open_cache",
     "quiet_torch",
     "resolve_cache_path",
+    "resolve_cache_url",
 ]
 
 
@@ -73,6 +76,21 @@ OutputOpt = Annotated[
 ]
 NameOpt = Annotated[str | None, typer.Option("--name", help="Model name (file stem).")]
 CacheDirOpt = Annotated[Path | None, typer.Option("--cache-dir", help="Cache directory.")]
+CacheUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--cache-url",
+        help="Shared cache in front of which the local one sits: redis://host:port/db "
+        "(else [cache] url, else $GRAPHBUILD_CACHE_URL).",
+    ),
+]
+CacheReadonlyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--cache-readonly",
+        help="Read the shared cache (the directory without a URL) but never write to it.",
+    ),
+]
 NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Build without a cache.")]
 SetOpt = Annotated[
     list[str] | None,
@@ -140,14 +158,43 @@ def resolve_cache_path(cache_dir: Path | None, cfg: Config | None) -> Path:
     return default_cache_dir()
 
 
-def open_cache(cache_dir: Path | None, no_cache: bool, cfg: Config | None) -> Cache | None:
+def resolve_cache_url(url: str | None, cfg: Config | None) -> str | None:
+    """--cache-url, else ``[cache] url``, else ``$GRAPHBUILD_CACHE_URL``."""
+    from graphbuild.cache.remote import default_cache_url
+
+    if url:
+        return url
+    if cfg is not None and cfg.cache_url:
+        return cfg.cache_url
+    return default_cache_url()
+
+
+def open_cache(
+    cache_dir: Path | None,
+    no_cache: bool,
+    cfg: Config | None,
+    *,
+    url: str | None = None,
+    readonly: bool = False,
+) -> Cache | None:
+    """The cache an export or a plan uses: the local directory, in front of the shared cache
+    when a URL is given or configured. ``readonly`` (or ``[cache] readonly``) applies to the
+    shared cache, or to the directory when there is none."""
     from graphbuild.cache import Cache
 
     if no_cache:
-        if cache_dir is not None:
-            raise ConfigError("--no-cache and --cache-dir contradict each other; give one")
+        if cache_dir is not None or url is not None:
+            given = "--cache-dir" if cache_dir is not None else "--cache-url"
+            raise ConfigError(f"--no-cache and {given} contradict each other; give one")
         return None
-    return Cache(resolve_cache_path(cache_dir, cfg))
+    shared = resolve_cache_url(url, cfg)
+    readonly = readonly or (cfg is not None and cfg.cache_readonly)
+    return Cache(
+        resolve_cache_path(cache_dir, cfg),
+        readonly=readonly and not shared,
+        url=shared,
+        remote_readonly=readonly,
+    )
 
 
 def build_request(

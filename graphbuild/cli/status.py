@@ -12,6 +12,7 @@ from rich.text import Text
 from graphbuild.cli.errors import handles_errors
 from graphbuild.cli.options import (
     CacheDirOpt,
+    CacheUrlOpt,
     ConfigOpt,
     FormatOpt,
     JsonOpt,
@@ -48,7 +49,7 @@ def show_status(cfg: Config, cache: Cache | None, as_json: bool) -> None:
                 "format": cfg.format,
                 "model_name": cfg.model_name,
                 "run_id": report.run_id,
-                "cache": str(cache.path) if cache is not None else None,
+                "cache": cache.location if cache is not None else None,
                 "up_to_date": not dirty,
                 "dirty": dirty,
                 "stages": [
@@ -92,13 +93,14 @@ def status(
     model: ModelOpt = None,
     name: NameOpt = None,
     cache_dir: CacheDirOpt = None,
+    cache_url: CacheUrlOpt = None,
     no_cache: NoCacheOpt = False,
     as_json: JsonOpt = False,
     sets: SetOpt = None,
 ) -> None:
     """What an export would run, and why; nothing is executed."""
     cfg = load_cli_config(config, target=target, format=format, model=model, name=name, sets=sets)
-    show_status(cfg, open_cache(cache_dir, no_cache, cfg), as_json)
+    show_status(cfg, open_cache(cache_dir, no_cache, cfg, url=cache_url), as_json)
 
 
 @handles_errors
@@ -133,7 +135,7 @@ def explain(
         only=stage,
     )
     if as_json:
-        emit_json({"run_id": request.run_id(), "cache": str(cache.path), "stages": stages})
+        emit_json({"run_id": request.run_id(), "cache": cache.location, "stages": stages})
         return
     console = make_console()
     for s in stages:

@@ -1,0 +1,402 @@
+"""A shared cache on a Redis server: the action index and the blob store as Redis keys.
+
+Keys, all under ``graphbuild:v1:`` (nothing else on the server is read, listed or removed):
+
+- ``i:<index key>``: one JSON object per index row (``i:m:<stage key>`` a manifest);
+- ``b:<digest>``: a blob's header, ``{"size", "chunks", "time"}``, written last;
+- ``c:<digest>:<n>``: the blob's bytes in chunks of :data:`CHUNK_SIZE` (4 MiB; a Redis value
+  stays far below its 512 MiB limit and a large blob streams in pieces);
+- ``u:<token>:<n>``: chunks of an upload in progress, which expire after :data:`STAGE_TTL`.
+
+A blob is uploaded to ``u:`` keys, then published in one MULTI/EXEC that renames its chunks
+into place, makes them persistent and writes the header; a manifest is written after every
+blob it names is published. A writer killed at any point (kill -9 included) leaves staged
+chunks that expire, or published blobs no manifest names (``gc`` collects them): never an
+entry a reader accepts. Whatever the server holds is untrusted, as a local cache is: headers
+are checked for shape, blobs against their digests, manifests by the cache against their own
+digests; anyone with write access to the server can still plant an entry that is consistent
+and wrong (README, "Team cache").
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.exceptions
+
+from graphbuild.cache.base import CorruptBlob, Stores, StoreUnavailable, read_only_error
+from graphbuild.cache.names import is_digest
+from graphbuild.engine.hashing import Hasher, digest_bytes
+from graphbuild.errors import CacheError
+
+PREFIX = "graphbuild:v1:"
+_INDEX = PREFIX + "i:"
+_HEADER = PREFIX + "b:"
+_CHUNK = PREFIX + "c:"
+_STAGE = PREFIX + "u:"
+CHUNK_SIZE = 4 << 20
+STAGE_TTL = 6 * 3600
+_BATCH = 500
+_CHUNK_KEY = re.compile(re.escape(_CHUNK) + r"([0-9a-f]{32}):(\d{1,9})")
+_HEADER_KEY = re.compile(re.escape(_HEADER) + r"([0-9a-f]{32})")
+_STAGE_KEY = re.compile(re.escape(_STAGE) + r"[0-9a-f]{16}:\d{1,9}")
+_UNREACHABLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.ReadOnlyError,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + netloc))
+
+
+def _unreachable(method: F) -> F:
+    """Server and network errors leave the stores as StoreUnavailable (an OSError)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except _UNREACHABLE as err:
+            raise StoreUnavailable(f"the shared cache at {self.location}: {err}") from err
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _glob(text: str) -> str:
+    """``text`` with Redis glob characters escaped."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+class RedisIndex:
+    """The action index on a Redis server: one string key per row, counters as integers."""
+
+    def __init__(self, client: redis.Redis, location: str, *, readonly: bool = False):
+        self.client = client
+        self.location = location
+        self.readonly = readonly
+
+    def _writable(self) -> None:
+        if self.readonly:
+            raise read_only_error(self.location)
+
+    @_unreachable
+    def get_json(self, key: str) -> dict[str, Any] | None:
+        try:
+            raw = self.client.get(_INDEX + key)
+        except redis.exceptions.ResponseError as err:  # a planted key of another type
+            raise ValueError(f"index row {key}: {err}") from err
+        if raw is None:
+            return None
+        data = json.loads(raw.decode("utf-8"))
+        if type(data) is not dict:
+            raise ValueError(f"index row {key} is not a JSON object")
+        return data
+
+    @_unreachable
+    def set_json(self, key: str, value: dict[str, Any]) -> None:
+        self._writable()
+        self.client.set(_INDEX + key, json.dumps(value, sort_keys=True))
+
+    @_unreachable
+    def delete(self, key: str) -> bool:
+        self._writable()
+        return bool(self.client.delete(_INDEX + key))
+
+    @_unreachable
+    def keys(self, prefix: str) -> Iterator[str]:
+        found = []
+        for raw in self.client.scan_iter(match=_glob(_INDEX + prefix) + "*", count=1000):
+            try:
+                found.append(raw.decode("utf-8")[len(_INDEX) :])
+            except UnicodeDecodeError:
+                continue
+        return iter(found)
+
+    @_unreachable
+    def incr(self, counter: str, delta: int = 1) -> None:
+        self._writable()
+        try:
+            self.client.incrby(_INDEX + f"stat:{counter}", delta)
+        except redis.exceptions.ResponseError:  # not a number (planted): restart
+            self.client.set(_INDEX + f"stat:{counter}", delta)
+
+    def counter(self, counter: str) -> int:
+        try:
+            raw = self.client.get(_INDEX + f"stat:{counter}")
+            value = int(raw) if raw is not None else 0
+        except (redis.exceptions.RedisError, ValueError):
+            return 0
+        return value if abs(value) < 2**62 else 0
+
+    @_unreachable
+    def clear(self) -> None:
+        self._writable()
+        _delete_matching(self.client, _glob(_INDEX) + "*", lambda _key: True)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RedisBlobs:
+    """The blob store on a Redis server: a header per blob, its bytes in chunks."""
+
+    def __init__(self, client: redis.Redis, location: str, *, readonly: bool = False):
+        self.client = client
+        self.location = location
+        self.readonly = readonly
+
+    def _header(self, digest: str) -> tuple[int, int, float] | None:
+        """(size, chunks, time) from the header; None when absent or not one we write."""
+        try:
+            raw = self.client.get(_HEADER + digest)
+        except redis.exceptions.ResponseError:
+            return None
+        return _parse_header(raw)
+
+    @_unreachable
+    def has(self, digest: str, size: int) -> bool:
+        if not is_digest(digest):
+            return False
+        header = self._header(digest)
+        if header is None or header[0] != size:
+            return False
+        chunks = header[1]
+        return chunks == 0 or self.client.exists(*_chunk_keys(digest, chunks)) == chunks
+
+    @_unreachable
+    def write(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
+        if not is_digest(digest):
+            raise ValueError(f"not a blob digest: {str(digest)[:80]!r}")
+        if self.readonly:
+            raise read_only_error(self.location)
+        view = memoryview(data).cast("B")
+        if self.has(digest, view.nbytes):
+            return False
+        token = secrets.token_hex(8)
+        count = math.ceil(view.nbytes / CHUNK_SIZE)
+        staged = [f"{_STAGE}{token}:{n}" for n in range(count)]
+        for n, key in enumerate(staged):  # a kill -9 here leaves keys that expire
+            self.client.set(key, bytes(view[n * CHUNK_SIZE : (n + 1) * CHUNK_SIZE]), ex=STAGE_TTL)
+        header = json.dumps({"size": view.nbytes, "chunks": count, "time": time.time()})
+        with self.client.pipeline(transaction=True) as tx:
+            for key, final in zip(staged, _chunk_keys(digest, count), strict=True):
+                tx.rename(key, final)
+                tx.persist(final)
+            tx.set(_HEADER + digest, header)
+            results = tx.execute(raise_on_error=False)
+        if any(isinstance(r, Exception) for r in results):  # a staged chunk expired meanwhile
+            self.client.delete(_HEADER + digest)
+            raise StoreUnavailable(f"the shared cache at {self.location}: upload of a blob failed")
+        return True
+
+    @_unreachable
+    def read(self, digest: str, size: int | None = None) -> bytes:
+        if not is_digest(digest):
+            raise CorruptBlob(str(digest), "is not a digest (32 lowercase hex digits)")
+        header = self._header(digest)
+        if header is None:
+            raise CorruptBlob(digest, f"is not on the shared cache at {self.location}")
+        length, chunks, _ = header
+        if size is not None and length != size:
+            raise CorruptBlob(digest, f"has {length} bytes, expected {size}")
+        parts = []
+        keys = _chunk_keys(digest, chunks)
+        try:
+            for start in range(0, chunks, 8):  # 32 MiB a round trip
+                parts.extend(self.client.mget(keys[start : start + 8]))
+        except redis.exceptions.ResponseError as err:
+            raise CorruptBlob(digest, f"cannot be read ({err})") from err
+        if any(p is None for p in parts):
+            raise CorruptBlob(digest, "has chunks missing (evicted or removed)")
+        data = b"".join(parts)
+        if len(data) != length:
+            raise CorruptBlob(digest, f"has {len(data)} bytes, its header says {length}")
+        if digest_bytes(data) != digest:
+            raise CorruptBlob(digest, "does not match its digest")
+        return data
+
+    def verify(self, digest: str) -> bool:
+        if not is_digest(digest):
+            return False
+        header = self._header(digest)
+        if header is None:
+            return False
+        h = Hasher()
+        try:
+            for key in _chunk_keys(digest, header[1]):
+                chunk = self.client.get(key)
+                if chunk is None:
+                    return False
+                h.update(chunk)
+        except redis.exceptions.RedisError:
+            return False
+        return h.hexdigest() == digest
+
+    def delete(self, digest: str) -> int | None:
+        if not is_digest(digest) or self.readonly:
+            return None
+        try:
+            raw = self.client.get(_HEADER + digest)
+        except redis.exceptions.RedisError:
+            return None
+        if raw is None:
+            return None
+        header = _parse_header(raw)
+        size, chunks = (header[0], header[1]) if header else (0, 0)
+        try:
+            with self.client.pipeline(transaction=True) as tx:
+                tx.delete(_HEADER + digest, *_chunk_keys(digest, chunks))
+                tx.execute()
+        except redis.exceptions.RedisError:
+            return None
+        return size
+
+    @_unreachable
+    def all(self) -> Iterator[tuple[str, int, float]]:
+        found = []
+        keys = [
+            k
+            for k in (
+                _decode(raw) for raw in self.client.scan_iter(match=_HEADER + "*", count=1000)
+            )
+            if k and _HEADER_KEY.fullmatch(k)
+        ]
+        for start in range(0, len(keys), _BATCH):
+            batch = keys[start : start + _BATCH]
+            for key, raw in zip(batch, _mget(self.client, batch), strict=True):
+                header = _parse_header(raw)
+                if header is not None:
+                    found.append((key[len(_HEADER) :], header[0], header[2]))
+        return iter(found)
+
+    @_unreachable
+    def sweep(self, older_than: float) -> int:
+        """Remove published chunks no header names (an interrupted delete); staged chunks
+        expire by themselves."""
+        if self.readonly:
+            return 0
+        headers = {d for d, _, _ in self.all()}
+
+        def orphan(key: str) -> bool:
+            match = _CHUNK_KEY.fullmatch(key)
+            return match is not None and match.group(1) not in headers
+
+        return _delete_matching(self.client, _glob(_CHUNK) + "*", orphan)
+
+    @_unreachable
+    def clear(self) -> tuple[int, int]:
+        if self.readonly:
+            raise read_only_error(self.location)
+        blobs = list(self.all())
+        _delete_matching(
+            self.client, _glob(_HEADER) + "*", lambda k: bool(_HEADER_KEY.fullmatch(k))
+        )
+        _delete_matching(self.client, _glob(_CHUNK) + "*", lambda k: bool(_CHUNK_KEY.fullmatch(k)))
+        _delete_matching(self.client, _glob(_STAGE) + "*", lambda k: bool(_STAGE_KEY.fullmatch(k)))
+        return len(blobs), sum(s for _, s, _ in blobs)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _chunk_keys(digest: str, chunks: int) -> list[str]:
+    return [f"{_CHUNK}{digest}:{n}" for n in range(chunks)]
+
+
+def _decode(raw: bytes) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _mget(client: redis.Redis, keys: list[str]) -> list[Any]:
+    """MGET that reads a key of another type as absent."""
+    try:
+        return client.mget(keys)
+    except redis.exceptions.ResponseError:
+        return [None] * len(keys)
+
+
+def _parse_header(raw: Any) -> tuple[int, int, float] | None:
+    """A header as the store writes it, or None: sizes are counts, the chunk count is what
+    the size needs in chunks of at most :data:`CHUNK_SIZE` (a header cannot make the reader
+    fetch more than the size says)."""
+    if raw is None:
+        return None
+    try:
+        header = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    if type(header) is not dict:
+        return None
+    size, chunks, when = header.get("size"), header.get("chunks"), header.get("time", 0.0)
+    if type(size) is not int or type(chunks) is not int or size < 0 or chunks < 0:
+        return None
+    if chunks < math.ceil(size / CHUNK_SIZE) or chunks > max(1, size) or chunks > 10**6:
+        return None
+    if type(when) not in (int, float) or not math.isfinite(when):
+        return None
+    return size, chunks, float(when)
+
+
+def _delete_matching(client: redis.Redis, pattern: str, keep: Callable[[str], bool]) -> int:
+    """Delete every key matching ``pattern`` for which ``keep(key)`` says it is ours."""
+    removed = 0
+    batch: list[str] = []
+    for raw in client.scan_iter(match=pattern, count=1000):
+        key = _decode(raw)
+        if key is not None and keep(key):
+            batch.append(key)
+        if len(batch) >= _BATCH:
+            removed += client.delete(*batch)
+            batch = []
+    if batch:
+        removed += client.delete(*batch)
+    return removed
+
+
+def open_redis(url: str, *, readonly: bool = False) -> Stores:
+    """The stores on the Redis server at ``url`` (``redis://host:port/db``, ``rediss://``
+    or ``unix:///path.sock``); StoreUnavailable when it cannot be reached."""
+    location = redact(url)
+    try:
+        client = redis.Redis.from_url(
+            url, socket_timeout=60, socket_connect_timeout=5, health_check_interval=30
+        )
+    except ValueError as err:
+        raise CacheError(f"not a Redis URL: {location} ({err})") from err
+    try:
+        client.ping()
+    except redis.exceptions.AuthenticationError as err:
+        client.close()
+        raise CacheError(f"the shared cache at {location} refused us: {err}") from err
+    except (redis.exceptions.RedisError, OSError) as err:
+        client.close()
+        raise StoreUnavailable(f"cannot reach the shared cache at {location}: {err}") from err
+    return Stores(
+        index=RedisIndex(client, location, readonly=readonly),
+        blobs=RedisBlobs(client, location, readonly=readonly),
+        location=location,
+        readonly=readonly,
+    )
