@@ -381,3 +381,27 @@ def test_four_writers_sharing_one_server_agree(redis_url, tmp_path):
     reset()
     shared_pipeline().run(small_model(), cache=Cache(tmp_path / "late", url=redis_url))
     assert CALLS == []
+
+
+def test_a_reader_whose_acl_forbids_writes_gets_hits_and_one_warning(redis_url, tmp_path):
+    shared_pipeline().run(small_model(), cache=Cache(tmp_path / "ci", url=redis_url))
+    client(redis_url).acl_setuser(
+        "reader", enabled=True, passwords=["+secret"], keys=["*"],
+        commands=["+@read", "+@connection", "-@write"],
+    )  # fmt: skip
+    reader_url = redis_url.replace("redis://", "redis://reader:secret@")
+    keys_before = sorted(client(redis_url).scan_iter())
+
+    reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        consumer = Cache(tmp_path / "dev", url=reader_url)  # no --cache-readonly
+        other = shared_pipeline()
+        other.register_stage(stage("extra", _total), "extra", reads=()).depends_on("weights")
+        other.run(small_model(), cache=consumer)
+
+    assert CALLS == ["extra"]  # hits from the server; the new stage built
+    assert sorted(client(redis_url).scan_iter()) == keys_before
+    shown = [str(w.message) for w in caught if "cannot be used" in str(w.message)]
+    assert len(shown) == 1 and "secret" not in shown[0]
+    assert consumer.writable  # the local cache took the result

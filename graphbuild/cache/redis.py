@@ -49,12 +49,6 @@ _BATCH = 500
 _CHUNK_KEY = re.compile(re.escape(_CHUNK) + r"([0-9a-f]{32}):(\d{1,9})")
 _HEADER_KEY = re.compile(re.escape(_HEADER) + r"([0-9a-f]{32})")
 _STAGE_KEY = re.compile(re.escape(_STAGE) + r"[0-9a-f]{16}:\d{1,9}")
-_UNREACHABLE = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.BusyLoadingError,
-    redis.exceptions.ReadOnlyError,
-)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -70,13 +64,15 @@ def redact(url: str) -> str:
 
 
 def _unreachable(method: F) -> F:
-    """Server and network errors leave the stores as StoreUnavailable (an OSError)."""
+    """Server, network and permission errors (a read-only replica, an ACL that allows reads
+    only) leave the stores as StoreUnavailable (an OSError); a key of the wrong type planted
+    where the store reads is handled where it is read, as damage."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
-        except _UNREACHABLE as err:
+        except redis.exceptions.RedisError as err:
             raise StoreUnavailable(f"the shared cache at {self.location}: {err}") from err
 
     return wrapper  # type: ignore[return-value]
@@ -103,6 +99,8 @@ class RedisIndex:
     def get_json(self, key: str) -> dict[str, Any] | None:
         try:
             raw = self.client.get(_INDEX + key)
+        except redis.exceptions.NoPermissionError:
+            raise
         except redis.exceptions.ResponseError as err:  # a planted key of another type
             raise ValueError(f"index row {key}: {err}") from err
         if raw is None:
