@@ -189,11 +189,30 @@ def test_unknown_override_key_suggests_the_closest(tmp_path):
         ('model = "m.py:b"\n[options]\ninput_names = [1]\n', "must be a list of strings"),
         ('model = "m.py:b"\n[options]\ncheck_numerics = "yes"\n', "must be true or false"),
         ('model = "m.py:b"\nquantization = "w8a8"\n', "'quantization' must be a table"),
+        ('model = "m.py:b"\noptions = {}\ntarget = []\n', "'target' must be a string"),
+        ('model = "m.py:b"\n[cache]\nreadonly = "yes"\n', "'cache.readonly' must be true or"),
+        ('model = "m.py:b"\n[cache]\nurl = 6379\n', "'cache.url' must be a string"),
     ],
 )
 def test_wrong_type_names_key_expected_type_and_value(tmp_path, text, message):
     write(tmp_path / "graphbuild.toml", text)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(cwd=tmp_path)
+
+
+def test_the_cache_table_gives_the_directory_the_url_and_read_only(tmp_path):
+    write(
+        tmp_path / "graphbuild.toml",
+        'model = "m.py:b"\n[cache]\ndir = "c"\nurl = "redis://h:6379/1"\nreadonly = true\n',
+    )
+    cfg = load_config(cwd=tmp_path)
+    assert cfg.cache_dir == tmp_path / "c"
+    assert (cfg.cache_url, cfg.cache_readonly) == ("redis://h:6379/1", True)
+
+
+def test_cache_dir_and_cache_table_dir_that_disagree_are_refused(tmp_path):
+    write(tmp_path / "graphbuild.toml", 'model = "m.py:b"\ncache_dir = "a"\n[cache]\ndir = "b"\n')
+    with pytest.raises(ConfigError, match="'cache_dir' and 'cache.dir' disagree"):
         load_config(cwd=tmp_path)
 
 
