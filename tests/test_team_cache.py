@@ -405,3 +405,14 @@ def test_a_reader_whose_acl_forbids_writes_gets_hits_and_one_warning(redis_url, 
     shown = [str(w.message) for w in caught if "cannot be used" in str(w.message)]
     assert len(shown) == 1 and "secret" not in shown[0]
     assert consumer.writable  # the local cache took the result
+
+
+def test_a_size_limit_prunes_the_local_cache_never_the_shared_one(redis_url, tmp_path):
+    shared_pipeline().run(small_model(), cache=Cache(tmp_path / "ci", url=redis_url))
+    entries = len(Cache.remote(redis_url).entries())
+
+    limited = Cache(tmp_path / "dev", size_limit=0, url=redis_url)
+    shared_pipeline().run(small_model(), cache=limited)
+
+    assert len(Cache.remote(redis_url).entries()) == entries == 5
+    assert Cache(tmp_path / "dev").size() == 0

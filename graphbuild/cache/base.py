@@ -131,6 +131,7 @@ class Stores:
     path: Path | None = None
     quarantined: Path | None = None
     damage: str | None = None
+    local: Stores | None = None  # a layered pair's local half (a size limit applies to it)
 
     def close(self) -> None:
         if self.index is not None:

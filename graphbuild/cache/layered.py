@@ -230,4 +230,5 @@ def layered(local: Stores, remote: Stores) -> Stores:
         path=local.path,
         quarantined=local.quarantined,
         damage=local.damage,
+        local=local,
     )

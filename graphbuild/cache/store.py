@@ -504,9 +504,12 @@ class Cache:
         return report
 
     def enforce_limit(self) -> MaintenanceReport | None:
-        """Prune to ``size_limit`` when the store has grown past it."""
+        """Prune to ``size_limit`` when the store has grown past it; in front of a shared
+        cache, the local one only (a machine's limit never prunes the team's cache)."""
         if self.size_limit is None or not self._writable or not self.marked:
             return None
+        if self.stores.local is not None:
+            return Cache.over(self.stores.local, self.size_limit).enforce_limit()
         if self.size() <= self.size_limit:
             return None
         return self.prune(max_bytes=self.size_limit)
