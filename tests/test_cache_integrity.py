@@ -452,6 +452,22 @@ def test_a_manifest_whose_codecs_are_not_a_table_of_versions_is_a_corrupt_entry(
     assert Cache(cache_dir).stats().corrupt == 1
 
 
+@pytest.mark.parametrize("field", ["seconds", "created", "last_used"])
+@pytest.mark.parametrize("value", [2**70, 1e300])
+def test_a_manifest_with_a_number_out_of_range_is_a_corrupt_entry(tmp_path, warm, field, value):
+    cache_dir, clean = warm
+    key, m = of_stage(cache_dir, "weights")
+    m[field] = value
+    rewrite(cache_dir, key, m)
+
+    reset()
+    export(tmp_path / "out", cache_dir)
+
+    assert CALLS == ["weights"]
+    assert files_under(tmp_path / "out") == clean
+    assert Cache(cache_dir).stats().corrupt == 1
+
+
 @pytest.mark.parametrize(
     "field, value",
     [

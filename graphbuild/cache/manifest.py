@@ -16,6 +16,8 @@ from graphbuild.cache.names import is_digest, is_plain_name
 from graphbuild.engine.hashing import digest_json
 
 _MAX_DEPTH = 64
+_MAX_COUNT = 2**53  # bytes: far beyond any artifact, and exact as a float
+_MAX_NUMBER = 1e12  # seconds and timestamps: some 30 000 years
 _ARTIFACT_KEYS = {"codec", "meta", "digest", "parts", "children"}
 
 
@@ -59,7 +61,7 @@ def check_artifact(description: Any, depth: int = 0) -> str:
             or len(part) != 2
             or not is_digest(part[0])
             or type(part[1]) is not int
-            or part[1] < 0
+            or not 0 <= part[1] <= _MAX_COUNT
         ):
             raise InvalidManifest(f"bad blob reference {str(part)[:80]}")
         digests.append(part[0])
@@ -148,11 +150,13 @@ def _blobs(description: dict[str, Any]) -> list[tuple[str, int]]:
 
 def _count(manifest: dict[str, Any], field: str) -> None:
     value = manifest.get(field, 0)
-    if type(value) is not int or value < 0:
+    if type(value) is not int or not 0 <= value <= _MAX_COUNT:
         raise InvalidManifest(f"'{field}' is not a count")
 
 
 def _number(manifest: dict[str, Any], field: str) -> None:
     value = manifest.get(field, 0.0)
-    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+    if type(value) not in (int, float) or not math.isfinite(value):
         raise InvalidManifest(f"'{field}' is not a finite number")
+    if not 0 <= value <= _MAX_NUMBER:
+        raise InvalidManifest(f"'{field}' is out of range")

@@ -262,7 +262,7 @@ class DiskIndex:
         key = f"stat:{counter}"
         try:
             self._db.incr(key, delta, default=0, retry=True)
-        except (TypeError, ValueError):  # the row holds no number (damaged, planted): restart
+        except (TypeError, ValueError, OverflowError):  # no number there, or a huge one
             self._db.set(key, delta, retry=True)
 
     def counter(self, counter: str) -> int:
