@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from graphbuild.cache.base import CorruptBlob, Stores
+from graphbuild.cache.base import ActionIndex, CorruptBlob, Stores
 from graphbuild.cache.local import MARKER, default_cache_dir, open_local
 from graphbuild.cache.manifest import (
     InvalidManifest,
@@ -159,13 +159,13 @@ class Cache:
     # ----------------------------------------------------------------- internals
 
     @property
-    def index(self) -> Any:
+    def index(self) -> ActionIndex:
         if self._index is None:
             why = f": {self.damage}" if self.damage else ""
             raise CacheError(f"the cache index at {self.location} cannot be opened{why}")
         return self._index
 
-    def _maintainable(self, what: str) -> Any:
+    def _maintainable(self, what: str) -> ActionIndex:
         """The index, for maintenance that removes things: only in a marked, writable cache."""
         if self.readonly or not self._writable:
             raise CacheError(f"cannot {what} the cache at {self.location}: it is read-only")
