@@ -51,6 +51,13 @@ class RedisServer:
         self.url = ""
 
     def __enter__(self) -> str:
+        try:
+            return self._start()
+        except BaseException:
+            self.__exit__(None, None, None)  # never leave a server behind
+            raise
+
+    def _start(self) -> str:
         import redis
 
         self.dir = Path(tempfile.mkdtemp(prefix="gb-redis-"))
@@ -77,7 +84,7 @@ class RedisServer:
                     client.ping()
                     client.close()
                     return self.url
-                except redis.exceptions.ConnectionError:
+                except redis.exceptions.RedisError:  # not listening yet, or still loading
                     time.sleep(0.02)
             client.close()
             self._stop()
