@@ -357,13 +357,13 @@ def test_save_inline_reads_the_tensors_in_place(tmp_path, monkeypatch):
     written: list[object] = []
     write_atomic = save_module._write_atomic
 
-    def spy(path, chunks):
+    def spy(path, chunks, *sources):
         def record():
             for chunk in chunks:
-                written.append(chunk)
+                written.append(getattr(chunk, "data", chunk))  # a tensor's payload: its bytes
                 yield chunk
 
-        write_atomic(path, record())
+        return write_atomic(path, record(), *sources)
 
     monkeypatch.setattr(save_module, "_write_atomic", spy)
     save_model(bound, tmp_path / "m.onnx", external_data=False)

@@ -37,3 +37,10 @@ class Hasher:
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
+
+    def copy(self) -> Hasher:
+        """An independent hasher in this one's state (to go back to if what follows is
+        dropped)."""
+        out = Hasher.__new__(Hasher)
+        out._h = self._h.copy()
+        return out

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphbuild.cache import Cache, CorruptEntry
+from graphbuild.engine.checking import check_mode
 from graphbuild.engine.closure import class_named_by, code_closure, name_closure
 from graphbuild.engine.codecs import codec_modules, encode, snapshot
 from graphbuild.engine.fingerprint import (
@@ -832,7 +833,8 @@ def run_pipeline(
     Stages named in ``check`` (or all, with True) are recomputed even on a hit and must
     reproduce the cached output."""
     run = _Run(pipeline, pipeline_input, samples, context, cache, force, listeners, run_id, check)
-    report = run.run()
+    with check_mode(bool(run.check)):  # reused values and digests are recomputed too
+        report = run.run()
     if run.failure is not None:
         run.failure.report = report  # type: ignore[attr-defined]
         raise run.failure

@@ -14,8 +14,9 @@ untouched, so retuned weights or scales never re-run the exporter (DESIGN.md, in
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -23,6 +24,10 @@ import onnx_ir as ir
 import torch
 from onnx_ir import tensor_adapters
 
+from graphbuild.engine.checking import checking, reused_mismatch
+from graphbuild.engine.fingerprint import tensor_digest
+from graphbuild.engine.hashing import digest_bytes, digest_json
+from graphbuild.engine.parallel import parallel_map
 from graphbuild.errors import ExportError
 from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 from graphbuild.onnx.fakequant import broadcast_qparam, fake_quantize
@@ -35,10 +40,15 @@ META_PREFIX = "graphbuild."
 
 @dataclass(frozen=True)
 class BoundModel:
-    """A lowered skeleton (references still data-less) and the value of each reference."""
+    """A lowered skeleton (references still data-less) and the value of each reference.
+
+    ``digests`` holds, where known, the xxh3-128 of each array's bytes (C order): the codec
+    stores the arrays under them without hashing again, and placement copies a tensor's range
+    from the previously placed file when its digest says it is unchanged."""
 
     model: onnx.ModelProto
     tensors: dict[str, np.ndarray]
+    digests: dict[str, str] = field(default_factory=dict, compare=False)
 
 
 def bind(
@@ -48,28 +58,188 @@ def bind(
     qvalues: QuantValues,
     *,
     fake_quantize_weights: bool = True,
+    state_digests: Mapping[str, str] | None = None,
 ) -> BoundModel:
     """Compute the value of every data-less reference of ``skeleton``.
 
     With ``fake_quantize_weights``, a state tensor that a quantizer acts on (``spec.param``)
     is bound to its fake-quantized value, so the float graph computes what the quantized
     model computes.
+
+    ``state_digests`` (state name -> xxh3-128 of the tensor's bytes, as
+    :func:`graphbuild.engine.fingerprint.tensor_digest` gives it) makes binding incremental:
+    a computed tensor (a snapped weight, an integer-quantized one) whose inputs have the
+    digests they had at an earlier ``bind`` in this process is taken from that call, neither
+    recomputed nor hashed again (:class:`_Memo`); a state tensor bound as it is takes its
+    digest from here. The rest is computed across the cores (torch's kernels and xxhash
+    release the GIL) with the same kernels as one at a time, so the bytes are the same.
     """
     weight_specs = {s.param: s for s in qmap if s.param is not None}
     references = list(iter_references(skeleton.graph))
     # a weight that float readers share has a quantized copy naming it as its source
     split = {_metadata(i).get(SOURCE_KEY) for i in references if _is_state(i)} - {None}
-    tensors: dict[str, np.ndarray] = {}
+    planner = _Planner(state, qmap, qvalues, state_digests)
+    plans = []
     for init in references:
         if _location(init) == STATE_LOCATION:
             source = _metadata(init).get(SOURCE_KEY, init.name)
             quantized = fake_quantize_weights and (source != init.name or init.name not in split)
             spec = weight_specs.get(source) if quantized else None
-            value = _state_value(source, state, spec, qvalues)
+            plans.append(planner.state_plan(init, source, spec))
         else:
-            value = _qparam_value(init, state, qmap, qvalues)
-        tensors[init.name] = _as_numpy(init, value)
-    return BoundModel(skeleton, tensors)
+            plans.append(planner.qparam_plan(init))
+    memo = _Memo.entries()
+    check = checking()  # check mode: compute everything, and compare with what was reused
+    done: dict[str, tuple[np.ndarray, str]] = {}
+    todo = []
+    for plan in plans:
+        hit = memo.get(plan.key) if plan.key is not None else None
+        if hit is not None and not check:
+            done[plan.name] = hit
+        else:
+            todo.append(plan)
+    big = sum(p.nbytes for p in todo) >= PARALLEL_BIND_BYTES
+    evaluate = _evaluate_checked if check else _evaluate
+    for plan, result in zip(todo, parallel_map(evaluate, todo, parallel=big), strict=True):
+        done[plan.name] = result
+        hit = memo.get(plan.key) if plan.key is not None else None
+        if hit is not None and hit[1] != result[1]:
+            raise reused_mismatch(
+                f"bind: tensor '{plan.name}'",
+                hit[1],
+                result[1],
+                "an earlier bind computed it from inputs with the same digests",
+            )
+    if any(p.key is not None for p in plans):
+        _Memo.keep({p.key: done[p.name] for p in plans if p.key is not None})
+    tensors = {p.name: done[p.name][0] for p in plans}
+    digests = {p.name: done[p.name][1] for p in plans}
+    return BoundModel(skeleton, tensors, digests)
+
+
+#: Below this many bytes to compute, references are bound one after the other.
+PARALLEL_BIND_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How to compute one reference: ``compute`` gives its torch value; ``key`` (computed
+    tensors with known inputs only) names the value by the digests of everything it is a
+    function of; ``digest`` is its bytes' digest when known without hashing."""
+
+    init: onnx.TensorProto
+    compute: Callable[[], torch.Tensor]
+    nbytes: int
+    key: str | None = None
+    digest: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.init.name
+
+
+def _evaluate(plan: _Plan) -> tuple[np.ndarray, str]:
+    array = _as_numpy(plan.init, plan.compute())
+    digest = plan.digest or digest_bytes(array_bytes(array))
+    if plan.key is not None:
+        array.flags.writeable = False  # shared with later binds through the memo
+    return array, digest
+
+
+def _evaluate_checked(plan: _Plan) -> tuple[np.ndarray, str]:
+    """:func:`_evaluate`, hashing the bytes even where their digest was given."""
+    array, digest = _evaluate(replace(plan, digest=None))
+    if plan.digest is not None and plan.digest != digest:
+        raise reused_mismatch(
+            f"bind: state tensor bound as '{plan.name}'",
+            plan.digest,
+            digest,
+            "weight_digests hashed the tensor earlier in this run; it changed since",
+        )
+    return array, digest
+
+
+def array_bytes(array: np.ndarray) -> memoryview:
+    """An array's bytes in C order: a view when it is contiguous."""
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+class _Planner:
+    """Looks up what each reference needs (errors name the reference, in the graph's order)
+    and keys the computed ones."""
+
+    def __init__(
+        self,
+        state: Mapping[str, torch.Tensor],
+        qmap: QuantMap,
+        qvalues: QuantValues,
+        state_digests: Mapping[str, str] | None,
+    ):
+        self.state, self.qmap, self.qvalues = state, qmap, qvalues
+        self.state_digests = state_digests or {}
+        self._qparam_digests: dict[int, str] = {}
+
+    def state_plan(self, init: onnx.TensorProto, source: str, spec: QuantSpec | None) -> _Plan:
+        tensor = _state_tensor(source, self.state)
+        nbytes = tensor.numel() * 4
+        known = self.state_digests.get(source)
+        if spec is None:
+            same_bytes = _torch_dtype(init) == tensor.dtype  # else _as_numpy converts or refuses
+            return _Plan(init, lambda: tensor, 0, digest=known if same_bytes else None)
+        qp = _quant_values(spec.qid, self.qvalues)
+        key = self._key("fake_quantized", init, known, spec) if known else None
+        return _Plan(init, lambda: fake_quantize(tensor, spec, qp), nbytes, key)
+
+    def qparam_plan(self, init: onnx.TensorProto) -> _Plan:
+        meta = _metadata(init)
+        if meta.get(ROLE_KEY) != "quantized":
+            return _Plan(init, lambda: _qparam_value(init, self.state, self.qmap, self.qvalues), 0)
+        source = meta[SOURCE_KEY]
+        tensor = _state_tensor(source, self.state)
+        known = self.state_digests.get(source)
+        spec = self.qmap[int(meta[QID_KEY])]
+        key = self._key("quantized", init, known, spec) if known else None
+        compute = lambda: _qparam_value(init, self.state, self.qmap, self.qvalues)  # noqa: E731
+        return _Plan(init, compute, tensor.numel() * 4, key)
+
+    def _key(self, kind: str, init: onnx.TensorProto, source: str, spec: QuantSpec) -> str:
+        grid = [spec.bits, spec.signed, spec.qmin, spec.qmax, spec.axis, spec.block_size]
+        values = self._qparams_digest(spec.qid)
+        return digest_json([kind, init.data_type, list(init.dims), source, grid, values])
+
+    def _qparams_digest(self, qid: int) -> str:
+        if qid not in self._qparam_digests:
+            qp = _quant_values(qid, self.qvalues)
+            self._qparam_digests[qid] = digest_json(
+                [[str(t.dtype), list(t.shape), tensor_digest(t)] for t in (qp.scale, qp.zero_point)]
+            )
+        return self._qparam_digests[qid]
+
+
+class _Memo:
+    """The computed tensors of the last ``bind`` that knew its inputs' digests, by key.
+
+    A key is a digest of every input of the computation (kind, dtype, dims, the state
+    tensor's digest, the grid, the scale and zero point), so a hit is the value the
+    computation would give; the arrays are read-only. One bind's worth is kept: what a bind
+    does not use is let go."""
+
+    _lock = threading.Lock()
+    _entries: dict[str, tuple[np.ndarray, str]] = {}
+
+    @classmethod
+    def entries(cls) -> dict[str, tuple[np.ndarray, str]]:
+        with cls._lock:
+            return cls._entries
+
+    @classmethod
+    def keep(cls, entries: dict[str, tuple[np.ndarray, str]]) -> None:
+        with cls._lock:
+            cls._entries = entries
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.keep({})
 
 
 def iter_references(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
@@ -109,15 +279,6 @@ def _quant_values(qid: int, qvalues: QuantValues) -> QParams:
     if qid not in qvalues.values:
         raise ExportError(f"no scale/zero point for quantizer {qid}")
     return qvalues[qid]
-
-
-def _state_value(
-    name: str, state: Mapping[str, torch.Tensor], spec: QuantSpec | None, qvalues: QuantValues
-) -> torch.Tensor:
-    tensor = _state_tensor(name, state)
-    if spec is None:
-        return tensor
-    return fake_quantize(tensor, spec, _quant_values(spec.qid, qvalues))
 
 
 def _qparam_value(
@@ -163,9 +324,8 @@ def _as_numpy(init: onnx.TensorProto, value: torch.Tensor) -> np.ndarray:
     dims = tuple(init.dims)
     if tuple(value.shape) != dims:
         raise ExportError(f"'{init.name}': tensor of shape {tuple(value.shape)}, expected {dims}")
-    try:
-        torch_dtype = tensor_adapters.to_torch_dtype(dtype)
-    except TypeError:  # int4/uint4 have no torch dtype: go through int64
+    torch_dtype = _torch_dtype(init)
+    if torch_dtype is None:  # int4/uint4 have no torch dtype: go through int64
         return value.detach().cpu().long().numpy().astype(dtype.numpy())
     if value.dtype != torch_dtype:
         if _is_state(init):
@@ -174,6 +334,13 @@ def _as_numpy(init: onnx.TensorProto, value: torch.Tensor) -> np.ndarray:
             )
         value = value.to(torch_dtype)
     return _torch_to_numpy(value.detach().cpu().contiguous(), dtype)
+
+
+def _torch_dtype(init: onnx.TensorProto) -> torch.dtype | None:
+    try:
+        return tensor_adapters.to_torch_dtype(ir.DataType(init.data_type))
+    except TypeError:
+        return None
 
 
 def _is_state(init: onnx.TensorProto) -> bool:

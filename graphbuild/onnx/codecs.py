@@ -15,7 +15,7 @@ import onnx
 
 from graphbuild.engine.codecs import Codec, Encoded, Part, array_token, register_codec
 from graphbuild.engine.hashing import digest_bytes
-from graphbuild.onnx.bind import BoundModel
+from graphbuild.onnx.bind import BoundModel, array_bytes
 
 
 class OnnxCodec(Codec):
@@ -34,9 +34,10 @@ class OnnxCodec(Codec):
         return digest_bytes(value.SerializeToString(deterministic=True))
 
 
-def _array_part(array: np.ndarray) -> Part:
-    arr = np.ascontiguousarray(array)
-    return Part(memoryview(arr.reshape(-1).view(np.uint8)))
+def _array_part(array: np.ndarray, digest: str = "") -> Part:
+    """The array's bytes, under ``digest`` when the value knows it (bind hashed them as it
+    computed them, or took them from the state's digests): not hashed a second time."""
+    return Part(array_bytes(array), digest)
 
 
 class BoundModelCodec(Codec):
@@ -47,7 +48,7 @@ class BoundModelCodec(Codec):
         names = sorted(value.tensors)
         meta = [[n, _dtype_name(value.tensors[n]), list(value.tensors[n].shape)] for n in names]
         parts = [Part(value.model.SerializeToString(deterministic=True))]
-        parts += [_array_part(value.tensors[n]) for n in names]
+        parts += [_array_part(value.tensors[n], value.digests.get(n, "")) for n in names]
         return Encoded(self.name, meta, parts)
 
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
@@ -56,7 +57,7 @@ class BoundModelCodec(Codec):
         tensors = {}
         for (name, dtype, shape), data in zip(meta, parts[1:], strict=True):
             tensors[name] = np.frombuffer(bytearray(data), dtype=_np_dtype(dtype)).reshape(shape)
-        return BoundModel(model, tensors)
+        return BoundModel(model, tensors, {})
 
     def snapshot(self, value: BoundModel) -> Any:
         # the graph in full; each array by its bytes (numpy keeps no version counter)

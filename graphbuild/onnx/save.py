@@ -2,24 +2,40 @@
 
 The protobuf is written field by field around the tensors (no >2 GiB message is built, no full
 copy of the weights is made), inline or with external data, each file atomically.
+
+:func:`write_model` can build a file from a previously written one: a tensor whose bytes have
+a digest that a range of the previous file was recorded under is copied from there in the
+kernel (``os.copy_file_range``, which also shares the blocks where the file system can), then
+read back and hashed; a range that does not hash to its digest (the file was edited, truncated
+or replaced) is written from memory instead. The file is byte for byte what a full write gives,
+and nothing unverified reaches it (DESIGN.md, invariant 8).
 """
 
 from __future__ import annotations
 
+import errno
 import os
-from collections.abc import Iterable, Iterator
+import stat
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
+from graphbuild.engine.hashing import Hasher, digest_bytes
 from graphbuild.errors import ExportError
 from graphbuild.onnx.bind import META_PREFIX, BoundModel, is_reference, iter_references
 
 EXTERNAL_DATA_THRESHOLD = 2**31
 """Above this many tensor bytes :func:`save_model` writes external data (protobuf's limit)."""
 _ALIGNMENT = 64
+_PAGE_ALIGNMENT = 4096
+"""External data of a tensor of at least ``_PAGE_ALIGNED_BYTES`` starts on a page: runtimes can
+map it, and a file system with shared extents can clone it whole when the file is rebuilt."""
+_PAGE_ALIGNED_BYTES = 64 << 10
+_READ_CHUNK = 8 << 20
 _MODEL_GRAPH = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
 _GRAPH_INITIALIZER = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
 _TENSOR_RAW_DATA = onnx.TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
@@ -38,6 +54,36 @@ def materialize(bound: BoundModel) -> onnx.ModelProto:
     return model
 
 
+@dataclass(frozen=True)
+class TensorRange:
+    """Where one tensor's bytes lie in a written file, and their xxh3-128."""
+
+    offset: int
+    length: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class SavedFile:
+    """A file :func:`write_model` wrote: its xxh3-128 and size, where each tensor's bytes lie
+    (``ranges``), and how many bytes were copied from previous files rather than written."""
+
+    path: Path
+    digest: str
+    size: int
+    ranges: tuple[TensorRange, ...]
+    copied: int = 0
+
+
+@dataclass(frozen=True)
+class PreviousFile:
+    """A file written before, with the ranges recorded for it: where unchanged tensors can be
+    copied from. Untrusted: every copied range is verified against its digest."""
+
+    path: Path
+    ranges: Sequence[TensorRange]
+
+
 def save_model(bound: BoundModel, path: Path, *, external_data: bool | None = None) -> list[Path]:
     """Write ``path`` (``<name>.onnx``) and, with external data, ``<name>.onnx.data``.
 
@@ -47,20 +93,48 @@ def save_model(bound: BoundModel, path: Path, *, external_data: bool | None = No
     builds it, but no full copy is made. Either way the bytes depend on ``bound`` only. Each
     file is written to a temporary name and renamed into place. Returns the written paths.
     """
+    return [f.path for f in write_model(bound, path, external_data=external_data)]
+
+
+def write_model(
+    bound: BoundModel,
+    path: Path,
+    *,
+    external_data: bool | None = None,
+    previous: Sequence[PreviousFile] = (),
+) -> list[SavedFile]:
+    """:func:`save_model`, reporting each file's digest and tensor ranges, and taking every
+    tensor it can from ``previous`` files by range copies (verified, see the module's
+    docstring). The bytes are the same as without ``previous``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if external_data is None:
         total = sum(a.nbytes for a in bound.tensors.values())
         external_data = total > EXTERNAL_DATA_THRESHOLD
-    if not external_data:
-        _write_atomic(path, _stream_inline(bound))
-        return [path]
-    data_path = path.with_name(path.name + ".data")
-    model = onnx.ModelProto()
-    model.CopyFrom(bound.model)
-    _write_atomic(data_path, _stream_tensors(bound, model, data_path.name))
-    _write_atomic(path, [model.SerializeToString(deterministic=True)])
-    return [path, data_path]
+    with _Sources(previous) as sources:
+        if not external_data:
+            return [_write_atomic(path, _stream_inline(bound), sources)]
+        data_path = path.with_name(path.name + ".data")
+        model = onnx.ModelProto()
+        model.CopyFrom(bound.model)
+        data = _write_atomic(data_path, _stream_tensors(bound, model, data_path.name), sources)
+        onnx_file = _write_atomic(path, [model.SerializeToString(deterministic=True)])
+        return [onnx_file, data]
+
+
+@dataclass(frozen=True)
+class _Payload:
+    """A tensor's bytes as the file holds them, and their digest when known."""
+
+    data: bytes | memoryview
+    digest: str | None
+
+
+def _payload(bound: BoundModel, init: onnx.TensorProto) -> _Payload:
+    array = _tensor(bound, init.name)
+    data = _byte_view(init, array)
+    packed = not isinstance(data, memoryview)  # 4-bit or big-endian: not the array's bytes
+    return _Payload(data, None if packed else bound.digests.get(init.name))
 
 
 def _tensor(bound: BoundModel, name: str) -> np.ndarray:
@@ -90,25 +164,28 @@ def _clear_reference(init: onnx.TensorProto) -> None:
     init.metadata_props.extend(kept)
 
 
-def _stream_tensors(bound: BoundModel, model: onnx.ModelProto, location: str) -> Iterator[bytes]:
+def _stream_tensors(
+    bound: BoundModel, model: onnx.ModelProto, location: str
+) -> Iterator[bytes | _Payload]:
     """Yield the data file's chunks, pointing each reference of ``model`` at its bytes."""
     offset = 0
     for init in iter_references(model.graph):
-        data = _byte_view(init, _tensor(bound, init.name))
-        pad = -offset % _ALIGNMENT
+        payload = _payload(bound, init)
+        length = len(payload.data)
+        pad = -offset % (_PAGE_ALIGNMENT if length >= _PAGE_ALIGNED_BYTES else _ALIGNMENT)
         if pad:
             yield b"\0" * pad
             offset += pad
         _clear_reference(init)
         init.data_location = onnx.TensorProto.EXTERNAL
-        for key, value in (("location", location), ("offset", offset), ("length", len(data))):
+        for key, value in (("location", location), ("offset", offset), ("length", length)):
             entry = init.external_data.add()
             entry.key, entry.value = key, str(value)
-        yield data
-        offset += len(data)
+        yield payload
+        offset += length
 
 
-def _stream_inline(bound: BoundModel) -> Iterator[bytes | memoryview]:
+def _stream_inline(bound: BoundModel) -> Iterator[bytes | memoryview | _Payload]:
     """The chunks of one protobuf file that parses to ``materialize(bound)``.
 
     Protobuf merges repeated occurrences of a message field and appends to repeated fields,
@@ -133,10 +210,10 @@ def _stream_inline(bound: BoundModel) -> Iterator[bytes | memoryview]:
     del model, skeleton
     for init in bound.model.graph.initializer:
         if is_reference(init):
-            chunks = _inline_tensor(init, _tensor(bound, init.name))
+            chunks = _inline_tensor(init, _payload(bound, init))
         else:
             chunks = [init.SerializeToString(deterministic=True)]
-        tensor_size = sum(len(c) for c in chunks)
+        tensor_size = sum(len(c.data if isinstance(c, _Payload) else c) for c in chunks)
         initializer = _field_key(_GRAPH_INITIALIZER) + _varint(tensor_size)
         frame = _field_key(_MODEL_GRAPH) + _varint(len(initializer) + tensor_size) + initializer
         size += len(frame) + tensor_size
@@ -149,8 +226,8 @@ def _stream_inline(bound: BoundModel) -> Iterator[bytes | memoryview]:
         yield from chunks
 
 
-def _inline_tensor(init: onnx.TensorProto, array: np.ndarray) -> list[bytes | memoryview]:
-    """``init`` with ``array`` as ``raw_data``, serialized: the bytes are a view, not copied."""
+def _inline_tensor(init: onnx.TensorProto, payload: _Payload) -> list[bytes | _Payload]:
+    """``init`` with the payload as ``raw_data``, serialized: the bytes are not copied."""
     tensor = onnx.TensorProto()
     tensor.CopyFrom(init)  # a reference: no data of its own
     _clear_reference(tensor)
@@ -159,11 +236,10 @@ def _inline_tensor(init: onnx.TensorProto, array: np.ndarray) -> list[bytes | me
     tail.CopyFrom(tensor)
     for field, _ in tensor.ListFields():  # fields before raw_data, and after it
         (tail if field.number < _TENSOR_RAW_DATA else head).ClearField(field.name)
-    data = _byte_view(init, array)
     return [
         head.SerializeToString(deterministic=True),
-        _field_key(_TENSOR_RAW_DATA) + _varint(len(data)),
-        data,
+        _field_key(_TENSOR_RAW_DATA) + _varint(len(payload.data)),
+        payload,
         tail.SerializeToString(deterministic=True),
     ]
 
@@ -199,14 +275,137 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _write_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
+def _write_atomic(
+    path: Path,
+    chunks: Iterable[bytes | memoryview | _Payload],
+    sources: _Sources | None = None,
+) -> SavedFile:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "w+b") as f:  # read too: copied ranges are read back
+            writer = _FileWriter(f, sources)
             for chunk in chunks:
-                f.write(chunk)
+                writer.add(chunk)
             f.flush()
+            f.truncate(writer.pos)  # nothing of a failed copy past the end
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return writer.result(path)
+
+
+class _Sources:
+    """The previous files, opened for reading, and where each recorded digest lies in them.
+
+    Only regular files are read (a FIFO or device in their place would block or lie), opened
+    without following a symbolic link, and only ranges inside the file's current size."""
+
+    def __init__(self, previous: Sequence[PreviousFile]):
+        self._previous = previous
+        self._fds: list[int] = []
+        self.ranges: dict[tuple[str, int], tuple[int, int]] = {}  # (digest, length) -> (fd, off)
+
+    def __enter__(self) -> _Sources:
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        for prev in self._previous:
+            try:
+                fd = os.open(prev.path, flags | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                continue
+            self._fds.append(fd)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            for r in prev.ranges:
+                if r.length > 0 and r.offset >= 0 and r.offset + r.length <= st.st_size:
+                    self.ranges.setdefault((r.digest, r.length), (fd, r.offset))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+    def find(self, digest: str, length: int) -> tuple[int, int] | None:
+        return self.ranges.get((digest, length))
+
+
+#: errnos with which copy_file_range says it cannot copy between these files (then every
+#: tensor is written from memory)
+_NO_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM}
+
+
+class _FileWriter:
+    """Writes chunks in order, hashing the file as it goes; a payload found in the sources is
+    range-copied and verified (see the module's docstring)."""
+
+    def __init__(self, f, sources: _Sources | None):
+        self.f = f
+        self.sources = sources if sources is not None and sources.ranges else None
+        self.hasher = Hasher()
+        self.pos = 0
+        self.ranges: list[TensorRange] = []
+        self.copied = 0
+        self._buffer: bytearray | None = None
+
+    def add(self, chunk: bytes | memoryview | _Payload) -> None:
+        if not isinstance(chunk, _Payload):
+            self._write(chunk)
+            return
+        data = chunk.data
+        length = len(data)
+        digest = chunk.digest or digest_bytes(data)
+        source = self.sources.find(digest, length) if self.sources is not None else None
+        if source is None or not self._copy(source, length, digest):
+            self._write(data)
+        else:
+            self.copied += length
+        self.ranges.append(TensorRange(self.pos - length, length, digest))
+
+    def result(self, path: Path) -> SavedFile:
+        return SavedFile(path, self.hasher.hexdigest(), self.pos, tuple(self.ranges), self.copied)
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.hasher.update(data)
+        self.pos += len(data)
+
+    def _copy(self, source: tuple[int, int], length: int, digest: str) -> bool:
+        """Copy ``length`` bytes from the source range to the current position, then read them
+        back: True when they hash to ``digest`` (the position has moved past them)."""
+        src_fd, src_offset = source
+        self.f.flush()
+        fd = self.f.fileno()
+        done = 0
+        try:
+            while done < length:
+                n = os.copy_file_range(
+                    src_fd, fd, length - done, src_offset + done, self.pos + done
+                )
+                if n == 0:  # the source is shorter than recorded
+                    return False
+                done += n
+        except OSError as err:
+            if err.errno in _NO_COPY:
+                self.sources = None  # not between these files: write the rest from memory
+            return False
+        before = self.hasher.copy()
+        check = Hasher()
+        if self._buffer is None:
+            self._buffer = bytearray(_READ_CHUNK)
+        view = memoryview(self._buffer)
+        offset = self.pos
+        while offset < self.pos + length:
+            n = os.preadv(fd, [view[: min(_READ_CHUNK, self.pos + length - offset)]], offset)
+            if n <= 0:
+                break
+            check.update(view[:n])
+            self.hasher.update(view[:n])
+            offset += n
+        if offset != self.pos + length or check.hexdigest() != digest:
+            self.hasher = before  # the bytes at this position are overwritten from memory
+            return False
+        self.pos += length
+        self.f.seek(self.pos)
+        return True

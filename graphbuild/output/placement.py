@@ -7,6 +7,11 @@ sizes, mtimes, inodes): when nothing changed and nobody touched the files, a war
 places nothing and loads nothing. A user editing an output file changes its mtime, so the
 next export writes it again from the cache.
 
+A model file is rebuilt from the one it replaces where it can: the stamp records where each
+tensor's bytes lie in it and their digest, and :func:`graphbuild.onnx.save.write_model` copies
+the unchanged ones in the kernel and reads each copy back against its digest, so only changed
+tensors are written and an edited file contributes nothing it should not.
+
 Names read from the cache decide no path by themselves: a file artifact's name must be a plain
 name the pipeline declares (``Pipeline.output_files``; by default ``<model_name>.*``), and a
 placement stamp naming anything else is ignored (DESIGN.md, invariant 11).
@@ -27,7 +32,7 @@ from typing import Any
 from graphbuild.cache import Cache
 from graphbuild.cache.names import is_digest, is_plain_name
 from graphbuild.engine.codecs import FileArtifact
-from graphbuild.engine.hashing import Hasher, digest_json
+from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.scheduler import RunReport, toolchain_versions
 from graphbuild.errors import ExportError
@@ -62,7 +67,8 @@ def place_outputs(
         _write_lock_if_changed(placement.out_dir, lock)
         return {**files, "lock": placement.out_dir / LOCK_FILE}, lock
     reusable = _reusable(stamp, products, placement) if stamp is not None else {}
-    files, digests, lock = _place(pipeline, result, placement, products, reusable)
+    previous = _previous_files(stamp, placement) if stamp is not None else []
+    files, digests, lock = _place(pipeline, result, placement, products, reusable, previous)
     if cache is not None:
         cache.record_placement(
             stamp_key,
@@ -110,7 +116,36 @@ def _valid_stamp(stamp: Any, pipeline: Pipeline, placement: Placement) -> bool:
             return False
         if not allowed_name(f["name"], pipeline, placement) or not is_digest(f["xxh3_128"]):
             return False
+        if "ranges" in f and not _valid_ranges(f["ranges"]):
+            return False
     return True
+
+
+def _valid_ranges(ranges: Any) -> bool:
+    """``[[offset, length, digest], ...]``: what :func:`_place` records for a model file."""
+    if type(ranges) is not list:
+        return False
+    for r in ranges:
+        if type(r) is not list or len(r) != 3:
+            return False
+        offset, length, digest = r
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            return False
+        if not is_digest(digest):
+            return False
+    return True
+
+
+def _previous_files(stamp: dict[str, Any], placement: Placement) -> list[Any]:
+    """The placed model files whose tensor ranges the stamp records: a new model file copies
+    its unchanged tensors from them (verified as copied, so a file edited since is safe)."""
+    from graphbuild.onnx.save import PreviousFile, TensorRange
+
+    return [
+        PreviousFile(placement.out_dir / f["name"], [TensorRange(*r) for r in f["ranges"]])
+        for _, f in stamp.get("files", [])
+        if f.get("ranges")
+    ]
 
 
 def _intact(f: Mapping[str, Any], placement: Placement) -> bool:
@@ -155,6 +190,7 @@ def _place(
     placement: Placement,
     products: Mapping[str, str],
     reusable: Mapping[str, list[tuple[str, dict[str, Any]]]],
+    previous: list[Any],
 ) -> tuple[dict[str, Path], dict[str, dict[str, Any]], dict[str, Any]]:
     out_dir = placement.out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -188,14 +224,12 @@ def _place(
                         "a file artifact's name must be a plain file name listed in "
                         "Pipeline.output_files"
                     )
-                for path in _write(item, tmp, placement):
+                for path, digest, ranges in _write(item, tmp, placement, previous):
                     kind_of = _kind(path.name, placement.model_name, kind)
                     written[kind_of] = path
-                    digests[kind_of] = {
-                        "name": path.name,
-                        "xxh3_128": _file_digest(path),
-                        "product": sink,
-                    }
+                    digests[kind_of] = {"name": path.name, "xxh3_128": digest, "product": sink}
+                    if ranges:
+                        digests[kind_of]["ranges"] = ranges
         lock = _lock(pipeline, result.report, placement, digests, written)
         (tmp / LOCK_FILE).write_text(_lock_text(lock))
         stale = {f"{placement.model_name}.onnx.data"} - {p.name for p in written.values()}
@@ -331,30 +365,28 @@ def _placeable(value: Any) -> bool:
     return isinstance(value, Mapping) and bool(value) and all(map(_placeable, value.values()))
 
 
-def _write(item: Any, tmp: Path, placement: Placement) -> list[Path]:
+def _write(
+    item: Any, tmp: Path, placement: Placement, previous: list[Any]
+) -> list[tuple[Path, str, list[list[Any]]]]:
+    """Write one product's files into ``tmp``: (path, xxh3-128, tensor ranges) each."""
     from graphbuild.onnx.bind import BoundModel
-    from graphbuild.onnx.save import save_model
+    from graphbuild.onnx.save import write_model
 
     if isinstance(item, BoundModel):
         target = tmp / f"{placement.model_name}.onnx"
-        return list(save_model(item, target, external_data=placement.external_data))
+        saved = write_model(item, target, external_data=placement.external_data, previous=previous)
+        return [
+            (f.path, f.digest, [[r.offset, r.length, r.digest] for r in f.ranges]) for f in saved
+        ]
     path = tmp / item.name
     path.write_bytes(item.data)
-    return [path]
+    return [(path, digest_bytes(item.data), [])]
 
 
 def _kind(filename: str, model_name: str, fallback: str) -> str:
     if filename.startswith(model_name + "."):
         return filename[len(model_name) + 1 :]
     return fallback
-
-
-def _file_digest(path: Path) -> str:
-    h = Hasher()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _lock(

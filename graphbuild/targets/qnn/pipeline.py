@@ -155,16 +155,18 @@ def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
 
 def bind_model_weights(inputs: tuple, samples: Any, context: Any) -> Any:
     """Put the model's current weights (and quantizer values) into the lowered skeleton.
-    What it reads of the model is keyed through ``weight_digests``."""
+    What it reads of the model is keyed through ``weight_digests``, whose digests also let
+    ``bind`` take the tensors whose inputs did not change from its previous call."""
     from graphbuild.onnx.bind import bind
 
-    (lowered, _), (qmap, _), qvalues, _digests = inputs
+    (lowered, _), (qmap, _), qvalues, digests = inputs
     return bind(
         lowered,
         host_state(context.input),
         QuantMap.from_json(qmap),
         QuantValues.from_tensors(qvalues),
         fake_quantize_weights=context["fake_quantize_weights"],
+        state_digests={name: d.rpartition(":")[2] for name, d in digests.items()},
     )
 
 
