@@ -149,7 +149,23 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
         listeners=listeners,
         run_id=request.run_id(),
         check=request.check_fingerprints,
+        background_writes=True,  # the cache is written while the files are placed
     )
+    try:
+        files, lock, out_dir = _place(request, pipeline, result, context, cache)
+    finally:
+        result.wait_for_cache()
+    result.report.seconds = time.perf_counter() - t0
+    reports = pipeline.reports or {"numerics": "check_numerics"}
+    for name, stage in reports.items():
+        if stage in result.outputs:
+            result.report.extra[name] = result.outputs[stage]
+    return ExportArtifacts(pipeline.name, result.captured, files, result.report, out_dir, lock)
+
+
+def _place(
+    request: ExportRequest, pipeline: Pipeline, result: Any, context: dict[str, Any], cache: Any
+) -> tuple[dict[str, Path], dict[str, Any], Path]:
     out_dir = Path(request.output_directory)
     placement = Placement(
         out_dir,
@@ -163,12 +179,7 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
         },
     )
     files, lock = place_outputs(pipeline, result, placement, cache)
-    result.report.seconds = time.perf_counter() - t0
-    reports = pipeline.reports or {"numerics": "check_numerics"}
-    for name, stage in reports.items():
-        if stage in result.outputs:
-            result.report.extra[name] = result.outputs[stage]
-    return ExportArtifacts(pipeline.name, result.captured, files, result.report, out_dir, lock)
+    return files, lock, out_dir
 
 
 def export(

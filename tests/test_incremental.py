@@ -254,3 +254,22 @@ def test_an_edited_output_file_is_not_copied_into_the_next_export(tmp_path):
     bind_module._Memo.clear()
     export(m, tmp_path / "fresh", False)
     assert files(out) == files(tmp_path / "fresh")
+
+
+# --------------------------------------------------------------------------- cache writes
+
+
+def test_a_failing_cache_write_fails_the_export(tmp_path, monkeypatch):
+    def broken(self, *args):
+        raise RuntimeError("the cache writer broke")
+
+    monkeypatch.setattr(gb.Cache, "store", broken)
+    with pytest.raises(RuntimeError, match="cache writer broke"):
+        export(model(), tmp_path / "out", tmp_path / "cache")
+
+
+def test_the_cache_holds_every_output_when_export_returns(tmp_path):
+    m = model()
+    export(m, tmp_path / "out", tmp_path / "cache")
+    art = export(m, tmp_path / "other", gb.Cache(tmp_path / "cache"))  # another Cache object
+    assert art.report.ran == []

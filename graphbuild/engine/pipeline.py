@@ -307,9 +307,12 @@ class Pipeline:
         listeners: Iterable[Callable[[Any], None]] = (),
         run_id: str | None = None,
         check: Iterable[str] | bool = (),
+        background_writes: bool = False,
     ) -> RunResult:
         """Build: run the dirty stages, take the rest from ``cache`` (None: no cache).
-        ``check`` names stages to recompute on a hit and compare (the fingerprints' test)."""
+        ``check`` names stages to recompute on a hit and compare (the fingerprints' test);
+        ``background_writes``: return before the cache writes end (``RunResult.wait_for_cache``).
+        """
         from graphbuild.engine.scheduler import run_pipeline
 
         return run_pipeline(
@@ -322,6 +325,7 @@ class Pipeline:
             listeners=listeners,
             run_id=run_id or self.name,
             check=check,
+            background_writes=background_writes,
         )
 
     def __call__(self, module: Any, sample_inputs: Any = ()) -> tuple[dict, dict]:

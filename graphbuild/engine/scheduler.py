@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 import functools
 import importlib.metadata
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -342,6 +344,49 @@ class _State:
     last_read: bool = False
 
 
+class _CacheWriter:
+    """Stores stage outputs in the cache on one background thread, in the order they ran, so
+    writing a large artifact overlaps the stages after it (and the placing of the files).
+
+    Each store is what ``Cache.store`` makes it (blobs, then the manifest, each atomic); a
+    value is stored as encoded when its stage returned (its parts are views of the value,
+    which no later stage may change: invariant 9). :meth:`finish` waits for every store and
+    raises the first error one raised (a cache that cannot be written is a warning, as
+    before, not an error)."""
+
+    def __init__(self, cache: Cache):
+        self.cache = cache
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, key: str, encoded: Any, record: dict[str, Any]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._work, name="graphbuild-cache-writer", daemon=True
+            )
+            self._thread.start()
+        self._queue.put((key, encoded, record))
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # after a failure, nothing more is stored
+            try:
+                self.cache.store(*item)
+            except BaseException as err:  # surfaced by finish(), in the caller's thread
+                self._error = err
+
+    def finish(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
 class _Run:
     """One build of one pipeline: the rebuilder loop and lazy loading."""
 
@@ -375,6 +420,7 @@ class _Run:
         self.toolchain = toolchain_versions()
         self._codec_versions: dict[str, str] = {}
         self.states: dict[str, _State] = {}
+        self.writer = _CacheWriter(cache) if cache is not None else None
         self.ran_order: list[str] = []
         self.failure: StageError | None = None
         # set when a stage edited an upstream output in place: that value is no longer what
@@ -452,13 +498,17 @@ class _Run:
                     self._execute(name, reason=_stale_reason(stale))
                     continue
             self._execute(name)
-        if self.cache is not None:
-            self.cache.enforce_limit()
         return RunReport(
             self.run_id,
             [self.states[n].record for n in self.order],
             time.perf_counter() - t0,
         )
+
+    def finish_writes(self) -> None:
+        """Wait for the cache writes of this run, then keep the cache within its size."""
+        if self.writer is not None:
+            self.writer.finish()
+            self.cache.enforce_limit()  # type: ignore[union-attr]
 
     def codec_versions(self, names: Iterable[str]) -> dict[str, str]:
         for name in names:
@@ -609,7 +659,7 @@ class _Run:
         if self.cache is not None:
             self.cache.count_miss()
             if key is not None:
-                self.cache.store(key, encoded, self._manifest_record(name, encoded))
+                self.writer.submit(key, encoded, self._manifest_record(name, encoded))
         self._remember(name)
         self.emit(StageEvent(EventKind.RAN, name, key, rec.seconds, rec.reason))
 
@@ -810,11 +860,19 @@ class LazyOutputs(Mapping[str, Any]):
 @dataclass
 class RunResult:
     """What ``Pipeline.run`` returns: lazily loaded ``outputs`` of every stage, the
-    ``captured`` ones (``capture_stage_output=True``), and the ``report``."""
+    ``captured`` ones (``capture_stage_output=True``), and the ``report``. A run with
+    ``background_writes`` may still be storing outputs: :meth:`wait_for_cache` waits for
+    that (and raises what a write raised)."""
 
     outputs: Mapping[str, Any]
     captured: Mapping[str, Any]
     report: RunReport
+    _finish: Callable[[], None] | None = field(default=None, repr=False)
+
+    def wait_for_cache(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
 
 
 def run_pipeline(
@@ -828,18 +886,28 @@ def run_pipeline(
     listeners: Iterable[Callable[[StageEvent], None]] = (),
     run_id: str = "pipeline",
     check: Iterable[str] | bool = (),
+    background_writes: bool = False,
 ) -> RunResult:
     """Run ``pipeline``; raises :class:`StageError` (with ``.report``) when a stage fails.
     Stages named in ``check`` (or all, with True) are recomputed even on a hit and must
-    reproduce the cached output."""
+    reproduce the cached output. Outputs are stored in the cache on a background thread;
+    unless ``background_writes``, the call returns once they are stored (with it, the
+    caller overlaps its own work and then calls ``RunResult.wait_for_cache``)."""
     run = _Run(pipeline, pipeline_input, samples, context, cache, force, listeners, run_id, check)
-    with check_mode(bool(run.check)):  # reused values and digests are recomputed too
-        report = run.run()
+    try:
+        with check_mode(bool(run.check)):  # reused values and digests are recomputed too
+            report = run.run()
+    except BaseException:
+        run.finish_writes()
+        raise
+    if run.failure is not None or not background_writes:
+        run.finish_writes()
     if run.failure is not None:
         run.failure.report = report  # type: ignore[attr-defined]
         raise run.failure
     captured = [n for n in run.order if pipeline._stage(n).capture_output]
-    return RunResult(LazyOutputs(run, run.order), LazyOutputs(run, captured), report)
+    finish = run.finish_writes if background_writes else None
+    return RunResult(LazyOutputs(run, run.order), LazyOutputs(run, captured), report, finish)
 
 
 def plan_status(
