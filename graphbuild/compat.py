@@ -155,20 +155,63 @@ def serialize_program_graph(program: torch.export.ExportedProgram) -> bytes:
     """
     from torch._export.serde import serialize as serde
 
-    if _serialize_takes_part_flags():
-        artifact = serde.serialize(
-            program,
-            serialize_state_dict=False,
-            serialize_constants=False,
-            serialize_example_inputs=False,
-        )
-        return artifact.exported_program
-    real = serde.serialize_torch_artifact
-    serde.serialize_torch_artifact = lambda *args, **kwargs: b""
+    with _without_canonical_form_check():
+        if _serialize_takes_part_flags():
+            artifact = serde.serialize(
+                program,
+                serialize_state_dict=False,
+                serialize_constants=False,
+                serialize_example_inputs=False,
+            )
+            return artifact.exported_program
+        real = serde.serialize_torch_artifact
+        serde.serialize_torch_artifact = lambda *args, **kwargs: b""
+        try:
+            return serde.serialize(program).exported_program
+        finally:
+            serde.serialize_torch_artifact = real
+
+
+@functools.cache
+def _canonical_form_check_is_discarded() -> bool:
+    """torch's program serializer calls ``canonicalize(serialized_ep, ...)`` as a statement,
+    a self-test whose result it throws away, after a deep copy of the whole serialized graph
+    (a third of the time to serialize a program). True when the installed release does
+    exactly that, read from its source: only then is the call skipped."""
+    import ast
+    import textwrap
+
+    from torch._export.serde import serialize as serde
+
     try:
-        return serde.serialize(program).exported_program
+        source = textwrap.dedent(inspect.getsource(serde.ExportedProgramSerializer.serialize))
+    except (OSError, TypeError, AttributeError):
+        return False
+    nodes = list(ast.walk(ast.parse(source)))
+    calls = [
+        node
+        for node in nodes
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "canonicalize"
+    ]
+    discarded = [n for n in nodes if isinstance(n, ast.Expr) and any(n.value is c for c in calls)]
+    return len(calls) == 1 and len(discarded) == 1
+
+
+@contextlib.contextmanager
+def _without_canonical_form_check() -> Iterator[None]:
+    from torch._export.serde import serialize as serde
+
+    real = getattr(serde, "canonicalize", None)
+    if real is None or not _canonical_form_check_is_discarded():
+        yield
+        return
+    serde.canonicalize = lambda ep, constants=None: ep
+    try:
+        yield
     finally:
-        serde.serialize_torch_artifact = real
+        serde.canonicalize = real
 
 
 def deserialize_program(
@@ -222,6 +265,8 @@ class _TypingWithCachedHints(types.ModuleType):
     def __init__(self, typing_module: types.ModuleType):
         super().__init__("typing")
         self.__dict__.update(vars(typing_module))
+        # the module's own function, just copied in, would shadow the method below
+        del self.__dict__["get_type_hints"]
         self._hints: dict[tuple, Any] = {}
         self._real = typing_module.get_type_hints
 

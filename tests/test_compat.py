@@ -67,10 +67,50 @@ def test_program_round_trips_through_graph_bytes_and_tensors() -> None:
 def test_serializing_leaves_torch_serializer_as_it_was() -> None:
     from torch._export.serde import serialize as serde
 
-    before = (serde.serialize_torch_artifact, getattr(serde, "typing", None))
+    def current():
+        return (serde.serialize_torch_artifact, getattr(serde, "typing", None), serde.canonicalize)
+
+    before = current()
     graph = compat.serialize_program_graph(_program())
     compat.deserialize_program(graph, _program().state_dict, {})
-    assert (serde.serialize_torch_artifact, getattr(serde, "typing", None)) == before
+    assert current() == before
+
+
+def test_skipping_the_serializers_canonical_form_self_test_changes_no_byte() -> None:
+    """torch's serializer canonicalizes a deep copy of the serialized program and throws it
+    away; where its source shows exactly that, graphbuild skips it, and the bytes are the
+    same."""
+    from torch._export.serde import serialize as serde
+
+    program = _program()
+    ours = compat.serialize_program_graph(program)
+    if compat._canonical_form_check_is_discarded():
+        checked: list[object] = []
+        real = serde.canonicalize
+        serde.canonicalize = lambda ep, constants=None: checked.append(ep) or real(ep, constants)
+        try:
+            assert compat.serialize_program_graph(program) == ours and checked == []
+            torchs = serde.serialize(program).exported_program  # torch's own path, checked
+        finally:
+            serde.canonicalize = real
+        assert len(checked) == 1 and torchs == ours
+
+
+def test_deserializing_looks_up_each_schema_class_type_hints_once(monkeypatch) -> None:
+    import typing
+
+    looked_up: list[object] = []
+    real = typing.get_type_hints
+
+    def count(obj, *args, **kwargs):
+        looked_up.append(obj)
+        return real(obj, *args, **kwargs)
+
+    monkeypatch.setattr(typing, "get_type_hints", count)
+    graph = compat.serialize_program_graph(_program())
+    looked_up.clear()
+    compat.deserialize_program(graph, _program().state_dict, {})
+    assert looked_up and len(looked_up) == len(set(looked_up))
 
 
 def test_quantized_decomposed_ops_are_registered_on_demand() -> None:
