@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from graphbuild.engine.checking import checking
 from graphbuild.engine.hashing import canonical_json, digest_bytes, digest_json
 from graphbuild.errors import CodecError
 
@@ -173,17 +174,24 @@ def codec_for(value: Any) -> Codec:
 
 
 def encode(value: Any) -> Encoded:
-    # A value roundtrip() just made is encoded once more by the scheduler when the stage
-    # returns it: that one time, its encoding is known. The entry is consumed, so a later
-    # stage that edits the same object in place and returns it is encoded afresh.
-    known = _ENCODED.pop(id(value), None)
-    if known is not None and known[0]() is value:
-        return known[1]
+    # A value roundtrip() made is encoded again by the scheduler when the stage returns it,
+    # and again when a later stage passes the same object on (normalize's marker graph,
+    # returned by marker_graph): its encoding is known while the codec's token of its
+    # contents is what it was (the token the input-mutation guard trusts). Without a token
+    # the entry serves once. Check mode always encodes afresh.
+    known = _ENCODED.get(id(value))
+    if known is not None and known[0]() is value and not checking():
+        _, encoded, token = known
+        if token is not None and snapshot(value) == token:
+            return encoded
+        _ENCODED.pop(id(value), None)
+        if token is None:
+            return encoded
     return codec_for(value).encode(value)
 
 
-# value id -> (weak reference, its Encoded): what roundtrip() already serialized
-_ENCODED: dict[int, tuple[Any, Encoded]] = {}
+# value id -> (weak reference, its Encoded, its snapshot token): what roundtrip() serialized
+_ENCODED: dict[int, tuple[Any, Encoded, Any]] = {}
 
 
 def snapshot(value: Any) -> Any:
@@ -228,7 +236,7 @@ def roundtrip(value: Any) -> Any:
         ref = weakref.ref(loaded, lambda _, key=id(loaded): _ENCODED.pop(key, None))
     except TypeError:  # not weakly referenceable: nothing to remember
         return loaded
-    _ENCODED[id(loaded)] = (ref, encoded)  # encoding it again would give the same bytes
+    _ENCODED[id(loaded)] = (ref, encoded, snapshot(loaded))  # encoding it again: same bytes
     return loaded
 
 
