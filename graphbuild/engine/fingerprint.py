@@ -21,13 +21,14 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
 import torch
 
+from graphbuild.engine import digest_memo
+from graphbuild.engine.checking import checking, reused_mismatch
 from graphbuild.engine.closure import (
     code_closure,
     file_digest,
@@ -38,6 +39,7 @@ from graphbuild.engine.closure import (
     library_version,
 )
 from graphbuild.engine.hashing import Hasher, digest_bytes, digest_json
+from graphbuild.engine.parallel import parallel_map
 from graphbuild.engine.pipeline import FACETS
 from graphbuild.errors import FingerprintError
 
@@ -590,28 +592,46 @@ def state_digests(module: torch.nn.Module) -> StateDigests:
 
 #: Below this many bytes in all, tensors are hashed one after the other.
 PARALLEL_BYTES = 64 << 20
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
 
 
 def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[str]:
     """``tensor_digest`` of each tensor, spread over a thread per core when there is enough to
     hash: xxhash releases the GIL, so a model's weights hash at the speed of all cores. Tensors
-    off the CPU go one at a time (they share a staging buffer per thread)."""
+    off the CPU go one at a time (they share a staging buffer per thread).
+
+    A tensor whose digest this process computed before, and which is untouched since by
+    what torch's version counter sees, is not hashed again where :mod:`digest_memo`'s rule
+    allows it; in check mode every tensor is hashed and a wrong reused digest fails loudly.
+    """
+    check = checking()
+    known = [digest_memo.lookup(t) for t in tensors]
+    todo = [t for t, d in zip(tensors, known, strict=True) if d is None or check]
+    computed = iter(_hash_all(todo))
+    out = []
+    for t, reused in zip(tensors, known, strict=True):
+        if reused is not None and not check:
+            out.append(reused)
+            continue
+        digest = next(computed)
+        if reused is not None and reused != digest:
+            raise reused_mismatch(
+                f"tensor {t.dtype}{list(t.shape)}",
+                reused,
+                digest,
+                "it was written without torch's version counter seeing it (through .data, a "
+                "numpy view or another buffer); such writes need "
+                "graphbuild.engine.digest_memo.reuse_across_runs(False)",
+            )
+        digest_memo.remember(t, digest)
+        out.append(digest)
+    return out
+
+
+def _hash_all(tensors: Sequence[torch.Tensor]) -> list[str]:
     total = sum(t.numel() * t.element_size() for t in tensors)
-    workers = min(os.cpu_count() or 1, 16)
     on_cpu = all(t.device.type == "cpu" for t in tensors)
-    if workers < 2 or len(tensors) < 2 or total < PARALLEL_BYTES or not on_cpu:
-        return [tensor_digest(t) for t in tensors]
-    return list(_hash_pool(workers).map(tensor_digest, tensors))
-
-
-def _hash_pool(workers: int) -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="graphbuild-hash")
-        return _POOL
+    parallel = total >= PARALLEL_BYTES and on_cpu
+    return parallel_map(tensor_digest, tensors, parallel=parallel)
 
 
 # --------------------------------------------------------------------------- structure

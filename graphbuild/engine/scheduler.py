@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphbuild.cache import Cache, CorruptEntry
+from graphbuild.engine import digest_memo
 from graphbuild.engine.checking import check_mode
 from graphbuild.engine.closure import class_named_by, code_closure, name_closure
 from graphbuild.engine.codecs import codec_modules, encode, snapshot
@@ -417,6 +418,7 @@ class _Run:
             raise KeyError(f"cannot force unknown stage(s): {', '.join(sorted(unknown))}")
         self.check = set(self.order) if check is True else set(check or ()) & set(self.order)
         self.facets = InputFacets(pipeline_input, samples)
+        digest_memo.begin_run()  # digests of earlier runs: only where reuse across runs is on
         self.toolchain = toolchain_versions()
         self._codec_versions: dict[str, str] = {}
         self.states: dict[str, _State] = {}
