@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ import numpy as np
 import onnx
 import torch
 
+from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.errors import ExportError
 from graphbuild.frontend.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.encodings.bias import BiasScale, find_int32_biases
@@ -219,12 +221,49 @@ def _unique_rows(rows: Iterable[tuple[_Quantizer, Any]]) -> list[tuple[_Quantize
     return list(seen.values())
 
 
+class _FloatList(list):
+    """A list of floats (what ``json`` reads and compares) that keeps the float64 array it
+    came from, so :func:`dumps_encodings` writes it without formatting one float at a time
+    from Python (:func:`_float_text`)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = np.ascontiguousarray(array, dtype=np.float64).reshape(-1)
+        super().__init__(self.array.tolist())
+
+
+class _ChannelList(list):
+    """0.6.1's per-channel entries (dicts, as the document holds them) and the arrays they
+    were made from, for :func:`dumps_encodings`."""
+
+    __slots__ = ("bits", "symmetric", "columns")
+
+    def __init__(self, bits: int, symmetric: str, columns: dict[str, np.ndarray]):
+        self.bits, self.symmetric, self.columns = bits, symmetric, columns
+        lists = {k: v.tolist() for k, v in columns.items()}
+        super().__init__(
+            {
+                "bitwidth": bits,
+                "dtype": "int",
+                "is_symmetric": symmetric,
+                "min": mn,
+                "max": mx,
+                "offset": o,
+                "scale": sc,
+            }
+            for mn, mx, o, sc in zip(
+                lists["min"], lists["max"], lists["offset"], lists["scale"], strict=True
+            )
+        )
+
+
 def _floats(a: np.ndarray) -> list[float]:
-    return [float(v) for v in a.reshape(-1)]
+    return _FloatList(a)
 
 
 def _ints(a: np.ndarray) -> list[int]:
-    return [int(v) for v in a.reshape(-1)]
+    return a.reshape(-1).tolist()
 
 
 def _entry_1_0_0(q: _Quantizer) -> dict[str, Any]:
@@ -249,18 +288,16 @@ def _entry_0_6_1(q: _Quantizer) -> list[dict[str, Any]]:
             "use 1.0.0 or 2.0.0"
         )
     span = 2**q.spec.bits - 1
-    return [
-        {
-            "bitwidth": q.spec.bits,
-            "dtype": "int",
-            "is_symmetric": str(q.is_sym),
-            "min": s * o,
-            "max": s * (o + span),
-            "offset": o,
-            "scale": s,
-        }
-        for s, o in zip(_floats(q.scale), _ints(q.offset), strict=True)
-    ]
+    scale = q.scale.astype(np.float64).reshape(-1)
+    offset = q.offset.astype(np.int64).reshape(-1)
+    # float64 products of the exact float64 operands, as Python's s * o computes them
+    columns = {
+        "min": scale * offset.astype(np.float64),
+        "max": scale * (offset + span).astype(np.float64),
+        "offset": offset,
+        "scale": scale,
+    }
+    return _ChannelList(q.spec.bits, str(q.is_sym), columns)
 
 
 def _entry_2_0_0(q: _Quantizer) -> dict[str, Any]:
@@ -270,7 +307,10 @@ def _entry_2_0_0(q: _Quantizer) -> dict[str, Any]:
         raise ExportError(f"tensor '{q.name}': zero points do not fit in {dtype}")
     entry: dict[str, Any] = {"name": q.name, "output_dtype": dtype}
     per_tensor = q.spec.axis is None
-    entry["y_scale"] = float(q.scale.reshape(-1)[0]) if per_tensor else q.scale.tolist()
+    if per_tensor:
+        entry["y_scale"] = float(q.scale.reshape(-1)[0])
+    else:  # blocked keeps the weight's rank
+        entry["y_scale"] = _floats(q.scale) if q.scale.ndim == 1 else q.scale.tolist()
     if np.any(q.zero_point != 0):
         zp = q.zero_point
         entry["y_zero_point"] = int(zp.reshape(-1)[0]) if per_tensor else zp.tolist()
@@ -333,8 +373,18 @@ _DOC_WRITERS: dict[str, Callable[[Rows, dict[str, Any]], dict[str, Any]]] = {
 def dumps_encodings(doc: Mapping[str, Any]) -> str:
     """The encodings document as text: one entry per line, so the file stays readable and
     diffable while large models are written by the C JSON encoder (``indent`` would switch
-    to the slow pure-Python one)."""
+    to the slow pure-Python one). The lists of scales (and 0.6.1's per-channel entries) that
+    :func:`build_encodings` made are written from their arrays (:func:`_float_text`), and the
+    text of each is remembered by its values for the next document."""
     compact = json.JSONEncoder(separators=(", ", ": ")).encode
+    used: dict[tuple, str] = {}
+
+    def render(value: Any) -> str:
+        if isinstance(value, _FloatList):
+            return _remembered(("floats", value.array), lambda: _float_text(value), used)
+        if type(value) is dict and any(isinstance(v, _FloatList) for v in value.values()):
+            return "{" + ", ".join(f"{compact(k)}: {render(v)}" for k, v in value.items()) + "}"
+        return compact(value)
 
     def block(value: Any, depth: int) -> str:
         pad, inner = "  " * depth, "  " * (depth + 1)
@@ -349,8 +399,78 @@ def dumps_encodings(doc: Mapping[str, Any]) -> str:
         ):
             items = [f"{inner}{compact(k)}: {block(v, depth + 1)}" for k, v in value.items()]
             return "{\n" + ",\n".join(items) + f"\n{pad}}}" if items else "{}"
+        if isinstance(value, _ChannelList) and value:
+            key = ("channels", depth, value.bits, value.symmetric, *value.columns.values())
+            lines = _remembered(key, lambda: _channel_lines(value, inner, compact), used)
+            return "[\n" + lines + f"\n{pad}]"
         if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            return "[\n" + ",\n".join(inner + compact(v) for v in value) + f"\n{pad}]"
-        return compact(value)
+            return "[\n" + ",\n".join(inner + render(v) for v in value) + f"\n{pad}]"
+        return render(value)
 
-    return block(dict(doc), 0) + "\n"
+    text = block(dict(doc), 0) + "\n"
+    _TEXTS.keep(used)
+    return text
+
+
+def _float_text(values: _FloatList) -> str:
+    """``json.dumps(values)``, bytes for bytes: finite floats are written with
+    ``float.__repr__`` (what the JSON encoder calls) over the list in C, not element by
+    element in Python."""
+    if not np.isfinite(values.array).all():
+        return json.dumps(list(values))  # Infinity / NaN as json spells them
+    return "[" + ", ".join(map(float.__repr__, values)) + "]"
+
+
+def _channel_lines(value: _ChannelList, inner: str, compact: Callable[[Any], str]) -> str:
+    """0.6.1's per-channel entries, one line each, as ``compact`` writes each dict."""
+    c = value.columns
+    if not all(np.isfinite(c[k]).all() for k in ("min", "max", "scale")):
+        return ",\n".join(inner + compact(v) for v in value)
+    head = (
+        f'{inner}{{"bitwidth": {value.bits}, "dtype": "int", '
+        f'"is_symmetric": {compact(value.symmetric)}, "min": '
+    )
+    mins, maxs = map(float.__repr__, c["min"].tolist()), map(float.__repr__, c["max"].tolist())
+    scales = map(float.__repr__, c["scale"].tolist())
+    return ",\n".join(
+        f'{head}{mn}, "max": {mx}, "offset": {o}, "scale": {sc}}}'
+        for mn, mx, o, sc in zip(mins, maxs, c["offset"].tolist(), scales, strict=True)
+    )
+
+
+def _remembered(key: tuple, make: Callable[[], str], used: dict[tuple, str]) -> str:
+    """The text of ``key`` (arrays by their bytes), from the last document if it was there."""
+    digest = digest_json(
+        [
+            [str(k.dtype), digest_bytes(memoryview(np.ascontiguousarray(k)).cast("B"))]
+            if isinstance(k, np.ndarray)
+            else k
+            for k in key
+        ]
+    )
+    text = used.get(digest) or _TEXTS.get(digest)
+    if text is None:
+        text = make()
+    used[digest] = text
+    return text
+
+
+class _TextMemo:
+    """The texts of the last :func:`dumps_encodings` call, by the digest of their values: a
+    re-export whose weight scales did not change formats none of them again. Keeps one
+    document's worth (the next call keeps what it used)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._texts: dict[str, str] = {}
+
+    def get(self, digest: str) -> str | None:
+        with self._lock:
+            return self._texts.get(digest)
+
+    def keep(self, texts: dict[str, str]) -> None:
+        with self._lock:
+            self._texts = dict(texts)
+
+
+_TEXTS = _TextMemo()
