@@ -25,6 +25,7 @@ __all__ = [
     "deserialize_program",
     "full_float32",
     "new_program",
+    "onnx_registry_reused",
     "program_with_state",
     "register_quantized_decomposed_ops",
     "serialize_program_graph",
@@ -238,6 +239,52 @@ def register_quantized_decomposed_ops() -> None:
         import torch.ao.quantization.fx._decomposed  # noqa: F401
     except ImportError:  # torch releases that moved PT2E out of torch.ao keep them in torchao
         import torchao.quantization.pt2e.utils  # noqa: F401
+
+
+_ONNX_REGISTRIES: dict[tuple, Any] = {}
+
+
+@contextlib.contextmanager
+def onnx_registry_reused() -> Iterator[None]:
+    """Within the block, ``torch.onnx.export`` builds its registry of torchlib functions once
+    per opset version in this process instead of on every call.
+
+    The exporter rebuilds the registry for each export (parsing the source of about 500
+    onnxscript functions: a third of exporting a small model) from what the installed torch
+    and onnxscript ship. Each call gets a copy of the one built first (its own dict and
+    lists; the entries are shared, and the exporter only reads them), into which it
+    registers its custom translations as before. Where ``ONNXRegistry.from_torchlib`` is not
+    the classmethod filling a ``functions`` dict that this was written against, nothing
+    changes."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:
+        yield
+        return
+    cls = getattr(_registration, "ONNXRegistry", None)
+    real = vars(cls).get("from_torchlib") if isinstance(cls, type) else None
+    if not isinstance(real, classmethod):
+        yield
+        return
+
+    def from_torchlib(klass: type, *args: Any, **kwargs: Any) -> Any:
+        key = (klass, args, tuple(sorted(kwargs.items())))
+        pristine = _ONNX_REGISTRIES.get(key)
+        if pristine is None:
+            pristine = real.__func__(klass, *args, **kwargs)
+            if not isinstance(getattr(pristine, "functions", None), dict):
+                return pristine
+            _ONNX_REGISTRIES[key] = pristine
+        copy = klass.__new__(klass)
+        copy.__dict__.update(vars(pristine))
+        copy.functions = {k: list(v) for k, v in pristine.functions.items()}
+        return copy
+
+    cls.from_torchlib = classmethod(from_torchlib)
+    try:
+        yield
+    finally:
+        cls.from_torchlib = real
 
 
 @contextlib.contextmanager

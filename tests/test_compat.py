@@ -194,3 +194,43 @@ def test_the_installed_torch_takes_the_current_branches() -> None:
     assert compat._constructor_takes_verifiers()
     if compat.TORCH_VERSION >= (2, 13):
         assert compat._serialize_takes_part_flags()
+
+
+def test_the_onnx_registry_is_built_once_per_opset_and_each_export_gets_its_own_copy() -> None:
+    from torch.onnx._internal.exporter import _registration
+
+    cls = _registration.ONNXRegistry
+    real = vars(cls)["from_torchlib"]
+    built: list[int] = []
+    counting = classmethod(lambda klass, *a, **k: built.append(1) or real.__func__(klass, *a, **k))
+    cls.from_torchlib = counting
+    compat._ONNX_REGISTRIES.clear()
+    try:
+        with compat.onnx_registry_reused():
+            first = cls.from_torchlib(opset_version=21)
+            first.register_op(torch.ops.aten.add.Tensor, lambda x, y: x)  # a call's own
+            second = cls.from_torchlib(opset_version=21)
+        assert vars(cls)["from_torchlib"] is counting  # put back
+    finally:
+        cls.from_torchlib = real
+        compat._ONNX_REGISTRIES.clear()
+    assert built == [1] and first is not second
+    assert len(first.get_decomps(torch.ops.aten.add.Tensor)) == 1 + len(
+        second.get_decomps(torch.ops.aten.add.Tensor)
+    )
+
+
+def test_an_onnx_export_with_the_registry_reused_is_the_same_model(monkeypatch) -> None:
+    import contextlib
+
+    import onnx_ir as ir
+
+    from graphbuild.onnx import skeleton
+
+    def exported() -> bytes:
+        return ir.serde.serialize_model(skeleton._torch_export(_program(), 21)).SerializeToString()
+
+    compat._ONNX_REGISTRIES.clear()
+    first, again = exported(), exported()  # the registry built, then copied
+    monkeypatch.setattr(skeleton, "onnx_registry_reused", contextlib.nullcontext)
+    assert first == again == exported()  # as torch builds it for every call

@@ -18,6 +18,7 @@ import onnx_ir as ir
 import torch
 from onnx_ir import tensor_adapters
 
+from graphbuild.compat import onnx_registry_reused
 from graphbuild.errors import ExportError, SkeletonValueError
 from graphbuild.frontend import markers
 
@@ -60,14 +61,15 @@ def export_skeleton(
 
 
 def _torch_export(program: torch.export.ExportedProgram, opset: int) -> ir.Model:
-    onnx_program = torch.onnx.export(
-        program,
-        dynamo=True,
-        optimize=False,
-        verbose=False,
-        opset_version=opset,
-        custom_translation_table=markers.onnx_translation_table(),
-    )
+    with onnx_registry_reused():  # the torchlib registry is built once per opset
+        onnx_program = torch.onnx.export(
+            program,
+            dynamo=True,
+            optimize=False,
+            verbose=False,
+            opset_version=opset,
+            custom_translation_table=markers.onnx_translation_table(),
+        )
     return onnx_program.model
 
 
