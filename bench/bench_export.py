@@ -23,12 +23,13 @@ first) and keeps the best time of each case. A last child measures memory: peak 
 
     python bench/bench_export.py [--models convnet,tiny_decoder,mid_decoder] [--quick]
                                  [--repeat N] [--no-memory] [--json] [--save FILE]
-                                 [--profile-dir DIR]
+                                 [--machine NAME] [--profile-dir DIR]
 
 ``--models large_decoder`` adds the 787M-parameter decoder (vocab 32000, hidden 2048, 16
 layers, 32 heads, 8 KV heads, ffn 5632; 3.1 GB of fp32): it needs about 32 GiB of memory and
-is not run by default. ``--save FILE`` also writes the JSON document to FILE (keep one per
-machine in ``bench/results/``).
+is not run by default (its memory child alone, one cold export, peaks at about 7.5 GB).
+``--save FILE`` also writes the JSON document to FILE; ``--machine NAME`` records the machine
+and, without ``--save``, writes ``bench/results/NAME.json`` (one per machine is kept there).
 
 ``--profile-dir`` runs every graphbuild case under pyinstrument (timings then include its
 overhead) and writes one text profile per model and case.
@@ -361,6 +362,38 @@ def run_memory(name: str, what: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the parent
 
 
+def _machine(name: str | None) -> dict[str, Any]:
+    """What the figures were measured on: name, cores, memory, software, date, commit."""
+    import platform
+
+    import torch
+
+    try:
+        with open("/proc/meminfo") as f:
+            mem_gib = round(int(f.readline().split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        mem_gib = None
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "name": name,
+        "cpus": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit,
+    }
+
+
 def _child(args: list[str], timeout: float = 3600) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = f.name
@@ -510,6 +543,12 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--save", default=None, help="also write the JSON document here")
+    parser.add_argument(
+        "--machine",
+        default=None,
+        help="a name for this machine, recorded in the document; with no --save, the document "
+        "is written to bench/results/<machine>.json",
+    )
     parser.add_argument("--profile-dir", default=None, help="pyinstrument text per case here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
@@ -539,6 +578,7 @@ def main() -> None:
         "memory_target": MEMORY_TARGET,
         "cpus": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
+        "machine": _machine(args.machine),
     }
     if not args.json:
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -580,6 +620,8 @@ def main() -> None:
         if not args.json:
             print_memory(mem)
 
+    if args.machine and not args.save:
+        args.save = str(ROOT / "bench" / "results" / f"{args.machine}.json")
     if args.save:
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)
         Path(args.save).write_text(json.dumps(doc, indent=2, default=str) + "\n")
