@@ -33,7 +33,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["begin_run", "clear", "lookup", "remember", "reuse_across_runs", "reusing_across_runs"]
+__all__ = [
+    "begin_run",
+    "clear",
+    "lookup",
+    "remember",
+    "reusable",
+    "reuse_across_runs",
+    "reusing_across_runs",
+]
 
 _lock = threading.Lock()
 _entries: dict[int, tuple[Any, Any, tuple, str, int]] = {}  # id -> (ref, storage ref, token,
@@ -87,6 +95,19 @@ def lookup(t: torch.Tensor) -> str | None:
     if ref() is not t or storage_ref() is not t.untyped_storage() or _token(t) != token:
         return None
     return digest
+
+
+def reusable() -> list[tuple[torch.Tensor, str]]:
+    """Every (tensor, digest) that :func:`lookup` would answer now: what check mode
+    verifies before a run starts."""
+    with _lock:
+        refs = [(entry[0], entry[3]) for entry in _entries.values()]
+    out = []
+    for ref, digest in refs:
+        t = ref()
+        if t is not None and lookup(t) == digest:
+            out.append((t, digest))
+    return out
 
 
 def remember(t: torch.Tensor, digest: str) -> None:

@@ -627,6 +627,24 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[str]:
     return out
 
 
+def verify_reused_digests() -> None:
+    """Check mode, before a run: hash every tensor whose digest this process would reuse
+    (:mod:`digest_memo`) and fail loudly, naming the rule, where one is wrong."""
+    reusable = digest_memo.reusable()
+    computed = _hash_all([t for t, _ in reusable])
+    for (t, reused), digest in zip(reusable, computed, strict=True):
+        if reused != digest:
+            raise reused_mismatch(
+                f"tensor {t.dtype}{list(t.shape)}",
+                reused,
+                digest,
+                "it was written without torch's version counter seeing it (through .data, a "
+                "numpy view or another buffer) after an earlier run hashed it; such writes "
+                "need graphbuild.engine.digest_memo.reuse_across_runs(False)",
+            )
+        digest_memo.remember(t, digest)
+
+
 def _hash_all(tensors: Sequence[torch.Tensor]) -> list[str]:
     total = sum(t.numel() * t.element_size() for t in tensors)
     on_cpu = all(t.device.type == "cpu" for t in tensors)

@@ -34,6 +34,7 @@ from graphbuild.engine.fingerprint import (
     input_token,
     read_value,
     stage_code_version,
+    verify_reused_digests,
 )
 from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.engine.key import stage_key
@@ -898,6 +899,8 @@ def run_pipeline(
     run = _Run(pipeline, pipeline_input, samples, context, cache, force, listeners, run_id, check)
     try:
         with check_mode(bool(run.check)):  # reused values and digests are recomputed too
+            if run.check:
+                verify_reused_digests()
             report = run.run()
     except BaseException:
         run.finish_writes()
