@@ -580,7 +580,7 @@ def state_digests(module: torch.nn.Module) -> StateDigests:
         ident = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         idents[name] = ident
         unique.setdefault(ident, t)
-    digests = dict(zip(unique, tensor_digests(list(unique.values())), strict=True))
+    digests = dict(zip(unique, tensor_digests(list(unique.values()), reuse=True), strict=True))
     out: dict[str, str] = {}
     for name, t in named:
         if t is None:
@@ -594,34 +594,27 @@ def state_digests(module: torch.nn.Module) -> StateDigests:
 PARALLEL_BYTES = 64 << 20
 
 
-def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[str]:
+def tensor_digests(tensors: Sequence[torch.Tensor], *, reuse: bool = False) -> list[str]:
     """``tensor_digest`` of each tensor, spread over a thread per core when there is enough to
     hash: xxhash releases the GIL, so a model's weights hash at the speed of all cores. Tensors
     off the CPU go one at a time (they share a staging buffer per thread).
 
-    A tensor whose digest this process computed before, and which is untouched since by
-    what torch's version counter sees, is not hashed again where :mod:`digest_memo`'s rule
-    allows it; in check mode every tensor is hashed and a wrong reused digest fails loudly.
+    With ``reuse`` (the model's state, read for keys), a tensor whose digest this process
+    computed before, and which is untouched since by what torch's version counter sees, is
+    not hashed again where :mod:`digest_memo`'s rule allows it. Check mode reuses nothing
+    (:func:`verify_reused_digests` has checked what would be reused before the run). Without
+    ``reuse`` (content tokens, which exist to see writes the version counter misses), every
+    tensor is hashed.
     """
-    check = checking()
-    known = [digest_memo.lookup(t) for t in tensors]
-    todo = [t for t, d in zip(tensors, known, strict=True) if d is None or check]
+    known = [digest_memo.lookup(t) if reuse and not checking() else None for t in tensors]
+    todo = [t for t, d in zip(tensors, known, strict=True) if d is None]
     computed = iter(_hash_all(todo))
     out = []
     for t, reused in zip(tensors, known, strict=True):
-        if reused is not None and not check:
+        if reused is not None:
             out.append(reused)
             continue
         digest = next(computed)
-        if reused is not None and reused != digest:
-            raise reused_mismatch(
-                f"tensor {t.dtype}{list(t.shape)}",
-                reused,
-                digest,
-                "it was written without torch's version counter seeing it (through .data, a "
-                "numpy view or another buffer); such writes need "
-                "graphbuild.engine.digest_memo.reuse_across_runs(False)",
-            )
         digest_memo.remember(t, digest)
         out.append(digest)
     return out

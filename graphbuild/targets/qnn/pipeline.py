@@ -146,7 +146,7 @@ def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
             meta = {p.key: p.value for p in init.metadata_props}
             names.add(meta.get(SOURCE_KEY, init.name))
     bound = [n for n in sorted(names) if n in state]
-    digests = tensor_digests([state[n] for n in bound])
+    digests = tensor_digests([state[n] for n in bound], reuse=True)  # input.state's, this run
     return {
         n: f"{state[n].dtype}{list(state[n].shape)}:{d}"
         for n, d in zip(bound, digests, strict=True)
