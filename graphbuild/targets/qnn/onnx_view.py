@@ -1,0 +1,177 @@
+"""The HTP rules' view of an ONNX model (:class:`~graphbuild.targets.qnn.htp.GraphView`).
+
+The view is the float model QNN would be given: a QDQ model's QuantizeLinear ->
+DequantizeLinear pairs are looked through (the dequantized tensor is the one the pair
+quantizes), so both formats of an export have the same view and the same tensor names as the
+encodings use.
+"""
+
+from __future__ import annotations
+
+import re
+
+import onnx
+import onnx_ir as ir
+
+from graphbuild.targets.qnn.htp import GraphView, OpNode
+
+__all__ = ["onnx_view", "source_of"]
+
+_FLOATS = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+_FX_NODE = "pkg.torch.onnx.fx_node"
+_CLASSES = "pkg.torch.onnx.class_hierarchy"
+_TARGET = re.compile(r"target=(?:torch\.ops\.)?([\w.]+)")
+_FX_NAME = re.compile(r"%(\S+) :")
+
+
+def source_of(node: ir.Node) -> str:
+    """Where an exported ONNX node came from: ``aten.lstm.input in torch.nn.modules.rnn.LSTM``
+    (from the exporter's node metadata; empty when it left none)."""
+    fx = node.metadata_props.get(_FX_NODE, "")
+    match = _TARGET.search(fx)
+    target = match.group(1) if match else ""
+    classes = re.findall(r"'([^']+)'", node.metadata_props.get(_CLASSES, ""))
+    modules = [c for c in classes if not c.startswith(("aten.", "torch.ops.", "<"))]
+    where = modules[-1] if modules else ""
+    if target and where:
+        return f"{target} in {where}"
+    return target or where
+
+
+def _origin(node: ir.Node) -> str:
+    """The name of the torch node an exported ONNX node lowers (empty when unknown)."""
+    match = _FX_NAME.match(node.metadata_props.get(_FX_NODE, ""))
+    return match.group(1) if match else ""
+
+
+def onnx_view(model: onnx.ModelProto | ir.Model) -> GraphView:
+    """The view of ``model``'s main graph (subgraphs are not quantized on HTP)."""
+    proto = model if isinstance(model, onnx.ModelProto) else ir.serde.serialize_model(model)
+    m = ir.serde.deserialize_model(_with_types(proto))
+    graph = m.graph
+    alias = _qdq_aliases(graph)
+
+    def name(v: ir.Value | None) -> str | None:
+        if v is None:
+            return None
+        n = v.name or ""
+        return alias.get(n, n)
+
+    floats: set[str] = set()
+    constants: set[str] = set()
+    transposed: dict[str, str] = {}
+    for v in graph.inputs:
+        if v.dtype in _FLOATS:
+            floats.add(v.name)
+    scalars: dict[str, float] = {}
+    for n, v in graph.initializers.items():
+        constants.add(n)
+        if v.dtype in _FLOATS:
+            floats.add(n)
+        value = _scalar(v.const_value)
+        if value is not None:
+            scalars[n] = value
+    ops: list[OpNode] = []
+    for node in graph:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear") and node.domain == "":
+            continue
+        outputs = tuple(name(o) or "" for o in node.outputs)
+        inputs = tuple(name(i) for i in node.inputs)
+        for o, value in zip(outputs, node.outputs, strict=True):
+            if value.dtype in _FLOATS:
+                floats.add(o)
+        if node.op_type == "Constant":
+            constants.update(outputs)
+            attr = node.attributes.get("value")
+            value = _scalar(attr.as_tensor()) if attr is not None else None
+            if value is not None:
+                scalars[outputs[0]] = value
+        if node.op_type == "Transpose" and inputs and inputs[0] in constants:
+            transposed[outputs[0]] = inputs[0]
+        ops.append(
+            OpNode(
+                name=node.name or outputs[0],
+                op_type=node.op_type if node.domain in ("", "ai.onnx") else node.op_type,
+                inputs=inputs,
+                outputs=outputs,
+                depthwise=_depthwise(node),
+                groups=_groups(node),
+                cast_from_float=node.op_type == "Cast" and _from_float(node),
+                source=source_of(node),
+                origin=_origin(node),
+            )
+        )
+    outputs = [name(v) or "" for v in graph.outputs]
+    inputs = [v.name or "" for v in graph.inputs]
+    return GraphView(ops, inputs, outputs, floats, constants, transposed, scalars)
+
+
+def _scalar(tensor: ir.TensorProtocol | None) -> float | None:
+    """The value of a one-element tensor whose data is at hand (not external)."""
+    if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.size != 1:
+        return None
+    try:
+        return float(tensor.numpy().reshape(-1)[0])
+    except (TypeError, ValueError):
+        return None
+
+
+def _with_types(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every value's type inferred (the exporter types only some of them).
+    Initializers are data-less references at this point; inference reads their dims only."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=False)
+    except (onnx.shape_inference.InferenceError, ValueError):
+        return model
+
+
+def _qdq_aliases(graph: ir.Graph) -> dict[str, str]:
+    """DequantizeLinear output -> the tensor its QuantizeLinear quantizes (also for a
+    DequantizeLinear of a precomputed integer constant: its float initializer's name)."""
+    alias: dict[str, str] = {}
+    for node in graph:
+        if node.op_type != "DequantizeLinear" or node.domain != "":
+            continue
+        src = node.inputs[0]
+        producer = src.producer() if src is not None else None
+        if producer is not None and producer.op_type == "QuantizeLinear":
+            x = producer.inputs[0]
+            base = x.name if x is not None else None
+        elif src is not None and src.name and src.name.endswith("_quantized"):
+            base = src.name[: -len("_quantized")]
+        else:
+            base = None
+        out = node.outputs[0].name
+        if base and out:
+            alias[out] = alias.get(base, base)
+    return alias
+
+
+def _groups(node: ir.Node) -> int:
+    attr = node.attributes.get("group")
+    return attr.as_int() if attr is not None else 1
+
+
+def _depthwise(node: ir.Node) -> bool:
+    """A grouped Conv with one input channel per group (ConvTranspose: Cin == groups), or a
+    3-D convolution: AIMET starts no supergroup with either."""
+    if node.op_type not in ("Conv", "ConvTranspose"):
+        return False
+    weight = node.inputs[1] if len(node.inputs) > 1 else None
+    shape = weight.shape if weight is not None else None
+    if shape is not None and len(shape) == 5:
+        return True
+    groups = _groups(node)
+    if groups == 1 or shape is None:
+        return False
+    if node.op_type == "Conv":
+        return shape[1] == 1
+    return shape[0] == groups
+
+
+def _from_float(node: ir.Node) -> bool:
+    x = node.inputs[0] if node.inputs else None
+    to = node.attributes.get("to")
+    if x is None or to is None:
+        return False
+    return x.dtype in _FLOATS and ir.DataType(to.as_int()) in _FLOATS
