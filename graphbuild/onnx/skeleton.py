@@ -17,10 +17,13 @@ import onnx
 import onnx_ir as ir
 import torch
 from onnx_ir import tensor_adapters
+from torch.utils import _pytree as pytree
 
 from graphbuild.compat import onnx_registry_reused
 from graphbuild.errors import ExportError, SkeletonValueError
 from graphbuild.frontend import markers
+from graphbuild.onnx.naming import fresh_name
+from graphbuild.onnx.passes import fold_constant_casts, split_sequences
 
 STATE_LOCATION = "graphbuild:state"
 """External-data location of a skeleton initializer that stands for a parameter or buffer."""
@@ -48,13 +51,18 @@ def export_skeleton(
     """Convert ``program`` to a deterministic ONNX skeleton without any state data.
 
     Exported with ``optimize=False``: the exporter's optimizer merges equal-valued initializers
-    and folds BatchNorm into Conv, both of which depend on values.
+    and folds BatchNorm into Conv, both of which depend on values. Sequence splits become
+    ``Split`` and casts of constants are folded (:mod:`graphbuild.onnx.passes`).
     """
     model = _torch_export(program, opset)
+    split_sequences(model.graph)
+    fold_constant_casts(model.graph)
     state, constants = program_tensors(program)
     check_initializers(model.graph, state, constants)
     _reference_state(model.graph, state)
     _rename_io(model.graph, model.graph.inputs, input_names, "input")
+    if output_names is None:
+        output_names = default_output_names(program, model.graph)
     _rename_io(model.graph, model.graph.outputs, output_names, "output")
     _strip_stack_traces(model.graph)
     return ir.serde.serialize_model(model)
@@ -164,6 +172,43 @@ def _rename_io(
         value.name = None
     for value, name in zip(values, names, strict=True):
         value.name = name
+
+
+def default_output_names(
+    program: torch.export.ExportedProgram, graph: ir.Graph
+) -> list[str] | None:
+    """The model's own names for its outputs: ``output`` for a lone tensor, the keys of a
+    returned dict or output dataclass (``logits``), ``output_0``... for a tuple. None (the
+    exporter's names stay) when the outputs do not line up with the graph's."""
+    spec = program.call_spec.out_spec
+    if spec is None or spec.num_leaves != len(graph.outputs):
+        return None
+    leaves = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    paths = [path for path, _ in pytree.tree_flatten_with_path(leaves)[0]]
+    names = [_path_name(path) for path in paths]
+    taken = _all_names(graph) - {v.name for v in graph.outputs}
+    unique: list[str] = []
+    for name in names:
+        unique.append(fresh_name(name, taken))
+    return unique
+
+
+def _path_name(path: tuple) -> str:
+    parts = []
+    for key in path:
+        if isinstance(key, pytree.MappingKey):
+            parts.append(str(key.key))
+        elif isinstance(key, pytree.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, pytree.SequenceKey):
+            parts.append(str(key.idx))
+        else:
+            parts.append(str(key))
+    if not parts:
+        return "output"
+    if isinstance(path[0], pytree.SequenceKey):
+        parts.insert(0, "output")
+    return "_".join(parts) if isinstance(path[0], pytree.SequenceKey) else ".".join(parts)
 
 
 def _all_names(graph: ir.Graph) -> set[str]:

@@ -23,6 +23,8 @@ class QnnOnnxOptions:
     inputs). Without it the model is taken as already quantized (fake-quant or q/dq ops).
     ``int32_bias`` writes int32 bias encodings (scale = input scale x weight scale) as AIMET
     does; ``None`` follows AIMET's default: on for ``2.0.0``, off for ``1.0.0`` and ``0.6.1``.
+    ``strict_coverage`` fails the export when a tensor QNN HTP runs quantized is left float
+    (see the coverage report).
     """
 
     opset: int = 21
@@ -35,6 +37,7 @@ class QnnOnnxOptions:
     calibration: Sequence[Any] | None = None
     check_numerics: bool = False
     int32_bias: bool | None = None
+    strict_coverage: bool = False
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -44,6 +47,8 @@ class QnnOnnxOptions:
             )
         if not isinstance(self.opset, int) or not 13 <= self.opset <= 23:
             raise ConfigError(f"opset must be an integer from 13 to 23, not {self.opset!r}")
+        for key in ("input_names", "output_names"):
+            _check_names(key, getattr(self, key))
 
     def to_context(self) -> dict[str, Any]:
         # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
@@ -53,6 +58,20 @@ class QnnOnnxOptions:
             if ctx[key] is not None:
                 ctx[key] = list(ctx[key])
         return ctx
+
+
+def _check_names(key: str, names: Sequence[str] | None) -> None:
+    """Tensor names must be non-empty strings, each given once."""
+    if names is None:
+        return
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{key} must be a list of strings, not {names!r}")
+    empty = [i for i, n in enumerate(names) if not n]
+    if empty:
+        raise ConfigError(f"{key}: name {empty[0]} is empty; every tensor needs a name")
+    repeated = sorted({n for n in names if list(names).count(n) > 1})
+    if repeated:
+        raise ConfigError(f"{key}: {', '.join(repeated)} given more than once")
 
 
 #: The quantizer presets ``preset.py`` registers, named here so that reading a config needs
@@ -69,4 +88,5 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "fake_quantize_weights": BOOL,
     "check_numerics": BOOL,
     "int32_bias": BOOL,
+    "strict_coverage": BOOL,
 }
