@@ -26,7 +26,7 @@ qd = torch.ops.quantized_decomposed
 Q_TENSOR, DQ_TENSOR = qd.quantize_per_tensor.default, qd.dequantize_per_tensor.default
 Q_CHANNEL, DQ_CHANNEL = qd.quantize_per_channel.default, qd.dequantize_per_channel.default
 
-WEIGHT_GRID = {"w8a8": (-127, 127), "w8a16": (-127, 127), "w4a16": (-7, 7)}
+WEIGHT_GRID = {"w8a8": (-128, 127), "w8a16": (-128, 127), "w4a16": (-8, 7)}
 ACT_GRID = {
     "w8a8": (0, 255, torch.uint8),
     "w8a16": (0, 65535, torch.uint16),

@@ -10,8 +10,9 @@ carries values (PT2E output) stores its state as raw tensors.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,10 +44,12 @@ __all__ = [
 @dataclass(frozen=True)
 class ProgramArtifact:
     """An ExportedProgram as a stage output; ``has_state`` says whether its parameters and
-    buffers are real values or placeholders."""
+    buffers are real values or placeholders. ``notes`` is what the stage that made it tells
+    later stages (JSON: which tensors calibration left float, and why)."""
 
     program: ExportedProgram
     has_state: bool = False
+    notes: Mapping[str, Any] = field(default_factory=dict)
 
 
 def placeholder(shape: Sequence[int], dtype: torch.dtype, parameter: bool) -> torch.Tensor:
@@ -209,6 +212,8 @@ class ProgramCodec(Codec):
                 for name, is_param in specs
             ],
         }
+        if value.notes:
+            meta["notes"] = json.loads(json.dumps(value.notes, sort_keys=True))
         tensors = TensorDictCodec()
         children = [
             tensors.encode(constants) if constants else Encoded("json", None, [Part(b"{}")])
@@ -233,7 +238,7 @@ class ProgramCodec(Codec):
                 for name, p, dt, shape in meta["state"]
             }
         program = deserialize_program(parts[0], state, constants)
-        return ProgramArtifact(program, meta["has_state"])
+        return ProgramArtifact(program, meta["has_state"], meta.get("notes", {}))
 
     def snapshot(self, value: ProgramArtifact) -> Any:
         return program_token(value.program)

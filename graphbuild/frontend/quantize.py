@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule
@@ -22,7 +23,9 @@ from graphbuild.frontend.presets import QUANTIZER_PRESETS, register_preset
 
 __all__ = [
     "QUANTIZER_PRESETS",
+    "Quantized",
     "load_state",
+    "quantize",
     "quantize_program",
     "register_preset",
     "resolve_attr",
@@ -40,6 +43,15 @@ def resolve_attr(model: torch.nn.Module, target: str) -> object:
     return obj
 
 
+@dataclass(frozen=True)
+class Quantized:
+    """A quantized program, and the tensors whose quantizer calibration had to drop (node
+    name -> why): they stay float, and the export's coverage report names them."""
+
+    program: torch.export.ExportedProgram
+    left_float: Mapping[str, str] = field(default_factory=dict)
+
+
 def quantize_program(
     program: torch.export.ExportedProgram,
     state: Mapping[str, torch.Tensor],
@@ -49,6 +61,22 @@ def quantize_program(
     *,
     fold_quantize: bool = False,
 ) -> torch.export.ExportedProgram:
+    """:func:`quantize` that fails on a quantizer that saw non-finite values."""
+    return quantize(
+        program, state, quantizer, calibration, sample_inputs, fold_quantize=fold_quantize
+    ).program
+
+
+def quantize(
+    program: torch.export.ExportedProgram,
+    state: Mapping[str, torch.Tensor],
+    quantizer: str | Quantizer,
+    calibration: Iterable,
+    sample_inputs: tuple,
+    *,
+    fold_quantize: bool = False,
+    drop_non_finite: bool = False,
+) -> Quantized:
     """Quantize ``program`` with real weights from ``state``; return the re-exported program.
 
     ``quantizer`` is a preset name (see ``QUANTIZER_PRESETS``) or any torchao
@@ -57,6 +85,10 @@ def quantize_program(
     ``quantized_decomposed`` quantize/dequantize ops around every quantized tensor; with
     ``fold_quantize`` the weights are stored quantized (integer constants followed by a
     dequantize), as back ends that consume integer weights (ExecuTorch) expect.
+
+    An activation quantizer that saw ``inf`` or ``nan`` (an additive ``-inf`` attention mask)
+    has no valid scale: an :class:`ExportError`, or with ``drop_non_finite`` the tensor stays
+    float and is listed in ``left_float``.
 
     Everything runs on the CPU: ``state`` tensors and calibration batches on another device
     are copied to host memory (see ``devices``), so the result does not depend on where the
@@ -68,9 +100,9 @@ def quantize_program(
     load_state(module, program, HostState(state))
     prepared = prepare_pt2e(module, resolved)
     _calibrate(prepared, calibration, sample_inputs)
-    _check_observed_ranges(prepared)
+    left_float = _check_observed_ranges(prepared, drop=drop_non_finite)
     converted = convert_pt2e(prepared, fold_quantize=fold_quantize)
-    return torch.export.export(converted, sample_inputs)
+    return Quantized(torch.export.export(converted, sample_inputs), left_float)
 
 
 def resolve_quantizer(quantizer: str | Quantizer) -> Quantizer:
@@ -210,11 +242,14 @@ def _batches(calibration: Iterable) -> Iterator[tuple]:
         yield to_device(args, "cpu")
 
 
-def _check_observed_ranges(prepared: GraphModule) -> None:
-    """Fail on an observer that saw inf or nan: its scale would be meaningless.
+def _check_observed_ranges(prepared: GraphModule, *, drop: bool = False) -> dict[str, str]:
+    """Fail on an observer that saw inf or nan: its scale would be meaningless. With ``drop``
+    an activation observer's tensor stays float instead (every place the observer was shared
+    with); returns those tensors (node name -> why). A weight's is always an error.
 
     The usual cause is an additive ``-inf`` attention mask flowing into a quantized op.
     """
+    bad: dict[int, list[torch.fx.Node]] = {}
     for node in prepared.graph.nodes:
         if node.op != "call_module":
             continue
@@ -223,10 +258,27 @@ def _check_observed_ranges(prepared: GraphModule) -> None:
         if not (isinstance(low, torch.Tensor) and isinstance(high, torch.Tensor)):
             continue
         untouched = (low == float("inf")) & (high == float("-inf"))
-        if bool((~untouched & ~(torch.isfinite(low) & torch.isfinite(high))).any()):
-            source = node.args[0].name if node.args else node.name
+        if not bool((~untouched & ~(torch.isfinite(low) & torch.isfinite(high))).any()):
+            continue
+        source = node.args[0]
+        name = source.name if isinstance(source, torch.fx.Node) else node.name
+        if not drop or (isinstance(source, torch.fx.Node) and source.op == "get_attr"):
             raise ExportError(
-                f"quantize: the values observed at '{source}' are not finite "
+                f"quantize: the values observed at '{name}' are not finite "
                 f"(min {low.min().item()}, max {high.max().item()}); a quantizer there would have "
                 "no valid scale. Use a finite attention mask or keep that op in float."
             )
+        bad.setdefault(id(observer), []).append(node)
+    dropped: dict[str, str] = {}
+    for nodes in bad.values():
+        for node in nodes:
+            source = node.args[0]
+            dropped[source.name] = (
+                "calibration saw non-finite values (an additive -inf mask?): no scale fits"
+            )
+            node.replace_all_uses_with(source)
+            prepared.graph.erase_node(node)
+    if dropped:
+        prepared.graph.lint()
+        prepared.recompile()
+    return dropped

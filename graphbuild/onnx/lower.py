@@ -73,6 +73,7 @@ def lower_markers(
     lowering = _Lowering(model, qmap)
     # decided on the graph as exported: lowering one marker rewires what others see
     shared = {id(n) for n in found if _has_other_uses(n.inputs[0], n)}
+    shared |= _differently_quantized_weights(found)
     for node in found:
         lowering.lower(node, fmt, id(node) in shared)
     model.opset_imports.pop(MARKER_DOMAIN, None)
@@ -424,6 +425,21 @@ def _has_other_uses(x: ir.Value, node: ir.Node) -> bool:
     return x.is_graph_output() or any(
         use.node is not node and not _is_marker(use.node) for use in x.uses()
     )
+
+
+def _differently_quantized_weights(markers: list[ir.Node]) -> set[int]:
+    """Markers (by id) of an initializer that an earlier marker quantizes with another qid (a
+    tied embedding table and output layer): each gets its own copy of the initializer, since
+    one tensor carries one encoding (and AIMET refuses such shared weights)."""
+    first: dict[str, int] = {}
+    later: set[int] = set()
+    for node in markers:
+        x = node.inputs[0]
+        if x is None or not x.is_initializer():
+            continue
+        if first.setdefault(x.name or "", _qid(node)) != _qid(node):
+            later.add(id(node))
+    return later
 
 
 def _strip(node: ir.Node, keep_identity: bool = False) -> ir.Value:
