@@ -87,5 +87,9 @@ class SkeletonValueError(ExportError):
     """The ONNX skeleton would depend on weight values (breaks structure/value separation)."""
 
 
+class CoverageError(ExportError):
+    """``strict_coverage``: a tensor QNN HTP runs quantized is float (or quantized otherwise)."""
+
+
 class NumericsError(ExportError):
     """The exported model disagrees with the torch model beyond tolerance."""

@@ -14,6 +14,7 @@ values; values enter at qparams, bind and encodings (DESIGN.md, invariant 5).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from graphbuild.engine.codecs import FileArtifact, roundtrip
@@ -31,16 +32,24 @@ from graphbuild.targets.qnn.options import FORMATS, QnnOnnxOptions
 
 
 def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
-    from graphbuild.frontend.quantize import quantize_program
+    """PT2E calibration. A tensor whose calibration saw non-finite values stays float; the
+    program's notes say which (the coverage report names them)."""
+    from graphbuild.frontend.quantize import quantize as quantize_pt2e
     from graphbuild.targets.qnn import preset  # noqa: F401  - registers the QNN presets
 
     (captured,) = inputs
     state = host_state(context.input)
     calibration = context["calibration"] or []
-    program = quantize_program(
-        captured.program, state, context["quantizer"], calibration, as_args(samples)
+    result = quantize_pt2e(
+        captured.program,
+        state,
+        context["quantizer"],
+        calibration,
+        as_args(samples),
+        drop_non_finite=True,
     )
-    return ProgramArtifact(program, has_state=True)
+    notes = {"left_float": dict(sorted(result.left_float.items()))} if result.left_float else {}
+    return ProgramArtifact(result.program, has_state=True, notes=notes)
 
 
 def normalize(inputs: tuple, samples: Any, context: Any) -> tuple:
@@ -55,12 +64,20 @@ def normalize(inputs: tuple, samples: Any, context: Any) -> tuple:
 
 
 def normalize_quantized(inputs: tuple, samples: Any, context: Any) -> tuple:
-    """normalize for a PT2E program: its values are calibrated, qparams reads them there."""
+    """normalize for a PT2E program: its values are calibrated, qparams reads them there.
+    A QNN preset's quantizers are symmetric exactly when signed (AIMET's convention), which
+    the graph's quantize ops do not say: the quant map records it."""
     from graphbuild.frontend.normalize import normalize_program
+    from graphbuild.targets.qnn.preset import is_preset_quantizer
 
     (program,) = inputs
     marker, qmap = normalize_program(program.program)
-    return roundtrip(ProgramArtifact(strip_state(marker))), qmap.to_json(), {}
+    if is_preset_quantizer(context["quantizer"]):
+        qmap = QuantMap(tuple(replace(s, symmetric=s.signed) for s in qmap))
+    doc = qmap.to_json()
+    if program.notes.get("left_float"):
+        doc["left_float"] = dict(program.notes["left_float"])
+    return roundtrip(ProgramArtifact(strip_state(marker))), doc, {}
 
 
 def marker_graph(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
@@ -203,6 +220,35 @@ def encodings(inputs: tuple, samples: Any, context: Any) -> FileArtifact:
     return FileArtifact(f"{context['model_name']}.encodings", dumps_encodings(doc).encode())
 
 
+def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Which tensors QNN HTP runs quantized the export leaves float, and why; with
+    ``strict_coverage`` any is an error."""
+    import warnings
+
+    from graphbuild.targets.qnn.coverage import check_coverage, coverage_report
+    from graphbuild.targets.qnn.preset import is_preset_quantizer, preset_bits
+
+    (lowered, names), (qmap, _), qvalues = inputs
+    quantizer = context["quantizer"]
+    preset = None
+    if is_preset_quantizer(quantizer):
+        preset = quantizer if isinstance(quantizer, str) else quantizer.preset
+    report = coverage_report(
+        lowered,
+        QuantMap.from_json(qmap),
+        {int(q): n for q, n in names.items()},
+        QuantValues.from_tensors(qvalues),
+        preset_bits(preset) if preset else None,
+        qmap.get("left_float"),
+        preset,
+    )
+    for entry in report["degenerate"]:
+        warnings.warn(f"coverage: '{entry['tensor']}': {entry['why']}", stacklevel=2)
+    if context["strict_coverage"]:
+        check_coverage(report)
+    return report
+
+
 def check_numerics_float(inputs: tuple, samples: Any, context: Any) -> dict:
     """``onnx``: put Q/DQ back from the ``.encodings`` file alone, run it in onnxruntime on
     the sample inputs, and compare with the quantized torch model."""
@@ -255,7 +301,7 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     norm = p.register_stage(
         normalize_quantized if quantized else normalize,
         "normalize",
-        reads=("registry.recognizers",),
+        reads=("registry.recognizers", "ctx.quantizer") if quantized else ("registry.recognizers",),
     ).depends_on(source)
     qmap = p.register_stage(quant_map, "quant_map", reads=()).depends_on(norm)
     if quantized:
@@ -289,6 +335,10 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         "encodings",
         reads=("ctx.encodings_version", "ctx.model_name", "ctx.int32_bias", "ctx.quantizer"),
     ).depends_on(qmap, qp, lower)
+    cov = p.register_stage(
+        coverage, "coverage", reads=("ctx.quantizer", "ctx.strict_coverage")
+    ).depends_on(lower, qmap, qp)
+    p.reports["coverage"] = cov.name
     p.products = [bound.name, enc.name]
     p.output_files = frozenset({f"{request.model_name}.encodings"})
     if opts.check_numerics:

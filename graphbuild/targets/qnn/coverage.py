@@ -1,0 +1,217 @@
+"""The coverage report: does the export quantize what QNN HTP runs quantized?
+
+QNN runs quantized exactly the tensors the encodings name, so a tensor the HTP rules
+(:mod:`graphbuild.targets.qnn.htp`) quantize but the export leaves float runs in float on the
+device, and a tensor quantized with other settings (a symmetric grid where HTP wants an
+asymmetric one) is one Qualcomm's tools reject. The report compares the rules, applied to the
+exported ONNX model itself, with the quantizers the export wrote, and says for every tensor
+left float why: an op the preset does not support (named, with its module), a tensor that
+exists only inside one op's ONNX lowering, calibration that dropped the quantizer, or a
+pre-quantized model without a quantizer there. It also flags degenerate calibrated ranges:
+a scale at the observer's floor (the values collapse onto a few steps, a random-init network
+whose activations vanish) or a range so wide no grid resolves ordinary values (a
+``finfo.min`` attention mask).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from graphbuild.errors import CoverageError
+from graphbuild.frontend.quantmap import QuantMap, QuantSpec, QuantValues
+from graphbuild.targets.qnn.aten_view import UNSUPPORTED
+from graphbuild.targets.qnn.htp import CONFIG_NAME, GraphView, Plan, TensorRule, plan
+from graphbuild.targets.qnn.onnx_view import onnx_view
+
+__all__ = ["check_coverage", "coverage_report", "summary_line"]
+
+#: the observer's smallest scale (torchao clamps to float32 eps): a range below a few of
+#: these steps has collapsed
+SCALE_FLOOR = float(torch.finfo(torch.float32).eps)
+#: a range beyond this holds a masking constant, not data
+HUGE_RANGE = 1e30
+_INTERNAL = re.compile(r"^val_\d+$")
+
+
+def coverage_report(
+    model: onnx.ModelProto,
+    qmap: QuantMap,
+    names: Mapping[int, str],
+    values: QuantValues,
+    bits: tuple[int, int] | None,
+    left_float: Mapping[str, str] | None = None,
+    preset: str | None = None,
+) -> dict[str, Any]:
+    """The report for one export. ``model`` is the lowered model (either format), ``names``
+    qid -> the tensor each quantizer annotates, ``bits`` the preset's (weight, activation)
+    bits (None: the model brought its own quantizers; settings are then not compared) and
+    ``left_float`` the tensors calibration left float (name -> why)."""
+    view = onnx_view(model)
+    rules = plan(view, *(bits or (8, 16)))
+    encoded = _encoded(qmap, names)
+    expected = rules.quantized()
+    left_float = dict(left_float or {})
+    floats = [
+        _float_entry(t, view, rules, left_float, preset) for t in expected if t not in encoded
+    ]
+    mismatched = []
+    if bits is not None:
+        for t, rule in expected.items():
+            spec = encoded.get(t)
+            if spec is not None and _settings(rule) != _spec_settings(spec):
+                mismatched.append(
+                    {
+                        "tensor": t,
+                        "expected": _describe(*_settings(rule)),
+                        "encoded": _describe(*_spec_settings(spec)),
+                    }
+                )
+    extra = [
+        {"tensor": t, "reason": rules.rules[t].why if t in rules.rules else "not a float tensor"}
+        for t in encoded
+        if t not in expected
+    ]
+    report = {
+        "rules": CONFIG_NAME,
+        "preset": preset,
+        "expected": len(expected),
+        "quantized": len(expected) - len(floats) - len(mismatched),
+        "float": sorted(floats, key=lambda e: e["tensor"]),
+        "mismatched": sorted(mismatched, key=lambda e: e["tensor"]),
+        "extra": sorted(extra, key=lambda e: e["tensor"]),
+        "degenerate": _degenerate(qmap, names, values),
+    }
+    report["summary"] = summary_line(report)
+    return report
+
+
+def check_coverage(report: Mapping[str, Any]) -> None:
+    """Raise :class:`CoverageError` when a tensor QNN HTP runs quantized is float or
+    quantized with other settings (``strict_coverage``)."""
+    floats, mismatched = report.get("float", []), report.get("mismatched", [])
+    if not floats and not mismatched:
+        return
+    shown = [f"{e['tensor']} ({e['reason']})" for e in floats[:6]]
+    shown += [f"{e['tensor']} ({e['encoded']}, HTP: {e['expected']})" for e in mismatched[:6]]
+    more = len(floats) + len(mismatched) - len(shown)
+    raise CoverageError(
+        f"strict coverage: {report.get('summary', '')}: "
+        + "; ".join(shown)
+        + (f"; and {more} more" if more > 0 else "")
+    )
+
+
+def summary_line(report: Mapping[str, Any]) -> str:
+    """``95/97 tensors quantized as QNN HTP runs them; 2 float: ...``"""
+    line = f"{report['quantized']}/{report['expected']} tensors quantized as QNN HTP runs them"
+    floats = report.get("float", [])
+    if floats:
+        reasons = Counter(e["reason"] for e in floats)
+        parts = [f"{n} {reason}" for reason, n in reasons.most_common(3)]
+        line += f"; {len(floats)} float: " + ", ".join(parts)
+        if len(reasons) > 3:
+            line += ", ..."
+    if report.get("mismatched"):
+        line += f"; {len(report['mismatched'])} with other settings than HTP's"
+    if report.get("extra"):
+        line += f"; {len(report['extra'])} quantized where HTP keeps float"
+    if report.get("degenerate"):
+        line += f"; {len(report['degenerate'])} degenerate range(s)"
+    return line
+
+
+# ---------------------------------------------------------------------------- details
+
+
+def _encoded(qmap: QuantMap, names: Mapping[int, str]) -> dict[str, QuantSpec]:
+    out: dict[str, QuantSpec] = {}
+    for spec in qmap:
+        name = names.get(spec.qid)
+        if name is not None:
+            out.setdefault(name, spec)
+    return out
+
+
+def _settings(rule: TensorRule) -> tuple[int, bool, bool]:
+    return rule.bits, rule.symmetric, rule.per_channel
+
+
+def _spec_settings(spec: QuantSpec) -> tuple[int, bool, bool]:
+    symmetric = spec.symmetric if spec.symmetric is not None else spec.signed
+    return spec.bits, bool(symmetric), spec.axis is not None and spec.block_size is None
+
+
+def _describe(bits: int, symmetric: bool, per_channel: bool) -> str:
+    return (
+        f"{bits}-bit {'symmetric' if symmetric else 'asymmetric'} "
+        f"{'per-channel' if per_channel else 'per-tensor'}"
+    )
+
+
+def _float_entry(
+    tensor: str, view: GraphView, rules: Plan, left_float: Mapping[str, str], preset: str | None
+) -> dict[str, str]:
+    producer = rules.producers.get(tensor)
+    if producer is not None:
+        op, source = producer.op_type, producer.source
+    else:
+        op, source = ("input" if tensor in view.inputs else "constant"), ""
+        readers = [o for o in view.ops if tensor in o.inputs]
+        source = readers[0].source if readers else ""
+    reason = _reason(tensor, rules, left_float, preset)
+    return {"tensor": tensor, "op": op, "source": source, "reason": reason}
+
+
+def _reason(tensor: str, rules: Plan, left_float: Mapping[str, str], preset: str | None) -> str:
+    if tensor in left_float:
+        return left_float[tensor]
+    producer = rules.producers.get(tensor)
+    target = producer.source.split(" in ")[0] if producer is not None else ""
+    op = target.split(".")[1] if target.startswith("aten.") else ""
+    if op in UNSUPPORTED:
+        return f"unsupported op {target}"
+    if (
+        producer is not None
+        and producer.origin
+        and producer.origin != tensor
+        and (_INTERNAL.match(tensor) or producer.op_type == "Constant")
+    ):
+        return f"inside the ONNX lowering of {target or producer.op_type}"
+    if preset is None:
+        return "the model has no quantizer here"
+    return "not quantized by the preset"
+
+
+def _degenerate(qmap: QuantMap, names: Mapping[int, str], values: QuantValues) -> list[dict]:
+    """Activation encodings whose range collapsed to the observer's floor or spans a masking
+    constant."""
+    out = []
+    seen: set[str] = set()
+    for spec in qmap:
+        name = names.get(spec.qid)
+        if spec.param is not None or name is None or name in seen or spec.qid not in values.values:
+            continue
+        seen.add(name)
+        qp = values[spec.qid]
+        scale = qp.scale.detach().to(torch.float64).reshape(-1).numpy()
+        zero = qp.zero_point.detach().to(torch.float64).reshape(-1).numpy()
+        low = float(np.min(scale * (spec.qmin - zero)))
+        high = float(np.max(scale * (spec.qmax - zero)))
+        if float(np.max(scale)) <= SCALE_FLOOR * (1 + 1e-6):
+            why = (
+                "the calibrated range collapsed to the smallest scale: the values are (nearly) "
+                "constant, e.g. vanishing activations of a random-init network"
+            )
+        elif max(abs(low), abs(high)) >= HUGE_RANGE:
+            why = "the range spans a masking constant: ordinary values fall on one step"
+        else:
+            continue
+        out.append({"tensor": name, "min": low, "max": high, "why": why})
+    return sorted(out, key=lambda e: e["tensor"])
