@@ -22,7 +22,7 @@ from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.plan import plan
 from graphbuild.engine.scheduler import RunReport, StageEvent
 from graphbuild.errors import ConfigError, ExportError
-from graphbuild.output.placement import LOCK_FILE, Placement, place_outputs
+from graphbuild.output.placement import LOCK_FILE, Placement, json_safe, place_outputs
 from graphbuild.targets.registry import (
     DEFAULT_TARGET,
     PipelineFactory,
@@ -151,33 +151,32 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
         check=request.check_fingerprints,
         background_writes=True,  # the cache is written while the files are placed
     )
+    reports = pipeline.reports or {"numerics": "check_numerics"}
+    for name, stage in reports.items():
+        if stage in result.outputs:
+            result.report.extra[name] = result.outputs[stage]
     try:
         files, lock, out_dir = _place(request, pipeline, result, context, cache)
     finally:
         result.wait_for_cache()
     result.report.seconds = time.perf_counter() - t0
-    reports = pipeline.reports or {"numerics": "check_numerics"}
-    for name, stage in reports.items():
-        if stage in result.outputs:
-            result.report.extra[name] = result.outputs[stage]
     return ExportArtifacts(pipeline.name, result.captured, files, result.report, out_dir, lock)
 
 
 def _place(
     request: ExportRequest, pipeline: Pipeline, result: Any, context: dict[str, Any], cache: Any
 ) -> tuple[dict[str, Path], dict[str, Any], Path]:
+    """Place the products and the lock file, whose header carries the run's reports."""
     out_dir = Path(request.output_directory)
-    placement = Placement(
-        out_dir,
-        request.model_name,
-        context.get("external_data"),
-        {
-            "target": request.target,
-            "format": request.format,
-            "model_name": request.model_name,
-            "pipeline": pipeline.name,
-        },
-    )
+    header = {
+        "target": request.target,
+        "format": request.format,
+        "model_name": request.model_name,
+        "pipeline": pipeline.name,
+    }
+    if result.report.extra:
+        header["reports"] = json_safe(dict(result.report.extra))
+    placement = Placement(out_dir, request.model_name, context.get("external_data"), header)
     files, lock = place_outputs(pipeline, result, placement, cache)
     return files, lock, out_dir
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import graphbuild as gb
 from tests.redis_server import RedisServer
 
 
@@ -15,3 +16,9 @@ def redis_url() -> Iterator[str]:
     where redis-server or the redis client is not installed)."""
     with RedisServer() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def zoo_cache(tmp_path_factory: pytest.TempPathFactory) -> gb.Cache:
+    """One cache for every export of the model zoo in a session (tests/zoo_exports.py)."""
+    return gb.Cache(tmp_path_factory.mktemp("zoo") / "cache")

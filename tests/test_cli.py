@@ -41,6 +41,7 @@ STAGES = [
     "weight_qparams",
     "bind",
     "encodings",
+    "coverage",
 ]
 # quantize and everything downstream of it in the qnn/onnx pipeline
 QUANTIZE_DEPENDENTS = set(STAGES) - {"capture"}
@@ -213,7 +214,7 @@ def test_progress_spins_while_a_stage_runs_then_shows_status_seconds_and_reason(
 def test_force_reruns_the_named_stage_only(warm, cli):
     doc = invoke_json("export", "--force", "encodings")
     assert [n for n, s in statuses(doc).items() if s == "ran"] == ["encodings"]
-    assert doc["stages"][-1]["reason"] == "forced"
+    assert next(s for s in doc["stages"] if s["name"] == "encodings")["reason"] == "forced"
     err = invoke_json("export", "--force", "nosuch", code=2)
     assert "cannot force unknown stage(s) nosuch" in err["error"]["message"]
 

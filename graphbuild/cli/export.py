@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -35,6 +34,7 @@ from graphbuild.cli.output import emit_json, make_console
 from graphbuild.cli.progress import Progress
 from graphbuild.cli.status import show_status
 from graphbuild.errors import ConfigError, StageError
+from graphbuild.output.placement import json_safe
 
 if TYPE_CHECKING:
     from graphbuild.engine.pipeline import Pipeline
@@ -101,6 +101,13 @@ def export(
             help="Recompute stages that hit and fail if any output differs from the cache.",
         ),
     ] = False,
+    strict_coverage: Annotated[
+        bool,
+        typer.Option(
+            "--strict-coverage",
+            help="qnn: fail (exit 1) when a tensor QNN HTP runs quantized is left float.",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Only errors and the files written.")
@@ -108,6 +115,8 @@ def export(
     sets: SetOpt = None,
 ) -> None:
     """Build the model named in graphbuild.toml (or --model) for a target and format."""
+    if strict_coverage:
+        sets = [*(sets or []), "options.strict_coverage=true"]
     cfg = load_cli_config(
         config,
         target=target,
@@ -151,7 +160,7 @@ def export(
                 "seconds_saved": report.seconds_saved,
                 "stages": [stage_json(s) for s in report.stages],
                 "files": files,
-                "reports": _json_safe(report.extra),
+                "reports": json_safe(report.extra),
             }
         )
         return
@@ -166,21 +175,15 @@ def export(
         console.print(Text(f"  {kind:<10} {path}"))
 
 
-def _json_safe(value: Any) -> Any:
-    """``value`` with non-finite floats as strings ("inf", "nan"): JSON has no spelling for
-    them, and readers other than Python's reject ``Infinity``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def _report_lines(extra: Mapping[str, Any]) -> list[str]:
-    """One line per report an export made (delegation, numerics), for people."""
+    """One line per report an export made (coverage, delegation, numerics), for people, and
+    a warning line per degenerate calibrated range."""
     lines = []
+    coverage = extra.get("coverage")
+    if isinstance(coverage, Mapping):
+        lines.append(f"coverage   {coverage.get('summary', '')}")
+        for entry in coverage.get("degenerate", []):
+            lines.append(f"warning    '{entry.get('tensor')}': {entry.get('why')}")
     delegation = extra.get("delegation")
     if isinstance(delegation, Mapping):
         lines.append(

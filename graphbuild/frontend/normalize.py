@@ -65,6 +65,7 @@ __all__ = [
     "QDQPairRecognizer",
     "Recognizer",
     "collect_qvalues",
+    "find_quantizers",
     "fixed_values",
     "get_arg",
     "grid_bits",
@@ -384,6 +385,12 @@ def _spec(qid: int, anchor: Node, m: Match, program: ExportedProgram) -> QuantSp
         zero_point=m.zero_point,
         symmetric=m.symmetric,
     )
+
+
+def find_quantizers(program: ExportedProgram) -> list[Match]:
+    """Every quantizer of ``program`` as its recogniser matched it; the list index is the qid
+    :func:`normalize_program` gives it."""
+    return [m for _, m in _find_matches(program)]
 
 
 def normalize_program(program: ExportedProgram) -> tuple[ExportedProgram, QuantMap]:

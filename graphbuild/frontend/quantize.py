@@ -8,6 +8,7 @@ other quantizer.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class Quantized:
 
     program: torch.export.ExportedProgram
     left_float: Mapping[str, str] = field(default_factory=dict)
+    #: activations whose calibrated range spans only a few steps of the smallest scale
+    #: (node name -> [min, max]): quantized, but to a handful of values
+    degenerate: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def quantize_program(
@@ -100,9 +104,10 @@ def quantize(
     load_state(module, program, HostState(state))
     prepared = prepare_pt2e(module, resolved)
     _calibrate(prepared, calibration, sample_inputs)
+    degenerate = _degenerate_ranges(prepared)
     left_float = _check_observed_ranges(prepared, drop=drop_non_finite)
     converted = convert_pt2e(prepared, fold_quantize=fold_quantize)
-    return Quantized(torch.export.export(converted, sample_inputs), left_float)
+    return Quantized(torch.export.export(converted, sample_inputs), left_float, degenerate)
 
 
 def resolve_quantizer(quantizer: str | Quantizer) -> Quantizer:
@@ -242,10 +247,41 @@ def _batches(calibration: Iterable) -> Iterator[tuple]:
         yield to_device(args, "cpu")
 
 
+#: a calibrated range narrower than this many of the observer's smallest steps has collapsed
+DEGENERATE_STEPS = 16
+
+
+def _degenerate_ranges(prepared: GraphModule) -> dict[str, tuple[float, float]]:
+    """Activation observers (not constants, not weights) whose finite range spans fewer than
+    ``DEGENERATE_STEPS`` steps of the smallest scale they may use: every value lands on a
+    handful of grid points (vanishing activations of a random-init network)."""
+    out: dict[str, tuple[float, float]] = {}
+    for node in prepared.graph.nodes:
+        if node.op != "call_module" or not node.args:
+            continue
+        source = node.args[0]
+        if not isinstance(source, torch.fx.Node) or source.op not in (
+            "call_function",
+            "placeholder",
+        ):
+            continue
+        observer = prepared.get_submodule(node.target)
+        low, high = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
+        eps = getattr(observer, "eps", None)
+        if not all(isinstance(t, torch.Tensor) for t in (low, high, eps)) or low.numel() != 1:
+            continue
+        lo, hi = float(torch.clamp(low, max=0.0)), float(torch.clamp(high, min=0.0))
+        if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
+            continue
+        if 0.0 < hi - lo < DEGENERATE_STEPS * float(eps):  # exact zeros lose nothing
+            out[source.name] = (float(low), float(high))
+    return out
+
+
 def _check_observed_ranges(prepared: GraphModule, *, drop: bool = False) -> dict[str, str]:
     """Fail on an observer that saw inf or nan: its scale would be meaningless. With ``drop``
-    an activation observer's tensor stays float instead (every place the observer was shared
-    with); returns those tensors (node name -> why). A weight's is always an error.
+    a per-tensor observer's tensor stays float instead (every place the observer was shared
+    with); returns those tensors (node name -> why). A per-channel weight's is an error.
 
     The usual cause is an additive ``-inf`` attention mask flowing into a quantized op.
     """
@@ -262,7 +298,11 @@ def _check_observed_ranges(prepared: GraphModule, *, drop: bool = False) -> dict
             continue
         source = node.args[0]
         name = source.name if isinstance(source, torch.fx.Node) else node.name
-        if not drop or (isinstance(source, torch.fx.Node) and source.op == "get_attr"):
+        per_channel = getattr(observer, "qscheme", None) in (
+            torch.per_channel_affine,
+            torch.per_channel_symmetric,
+        )
+        if not drop or per_channel:
             raise ExportError(
                 f"quantize: the values observed at '{name}' are not finite "
                 f"(min {low.min().item()}, max {high.max().item()}); a quantizer there would have "

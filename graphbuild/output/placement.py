@@ -20,6 +20,7 @@ placement stamp naming anything else is ignored (DESIGN.md, invariant 11).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -418,6 +419,18 @@ def _lock(
             for s in report.stages
         },
     }
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as strings ("inf", "nan") and tuples as lists: JSON
+    has no spelling for them, and readers other than Python's reject ``Infinity``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def _lock_text(lock: dict[str, Any]) -> str:

@@ -8,9 +8,9 @@ exported ONNX model itself, with the quantizers the export wrote, and says for e
 left float why: an op the preset does not support (named, with its module), a tensor that
 exists only inside one op's ONNX lowering, calibration that dropped the quantizer, or a
 pre-quantized model without a quantizer there. It also flags degenerate calibrated ranges:
-a scale at the observer's floor (the values collapse onto a few steps, a random-init network
-whose activations vanish) or a range so wide no grid resolves ordinary values (a
-``finfo.min`` attention mask).
+a range below a few steps of the smallest scale (the values collapse onto a few grid points,
+a random-init network whose activations vanish) or one so wide no grid resolves ordinary
+values (a ``finfo.min`` attention mask).
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ from graphbuild.targets.qnn.onnx_view import onnx_view
 
 __all__ = ["check_coverage", "coverage_report", "summary_line"]
 
-#: the observer's smallest scale (torchao clamps to float32 eps): a range below a few of
-#: these steps has collapsed
-SCALE_FLOOR = float(torch.finfo(torch.float32).eps)
 #: a range beyond this holds a masking constant, not data
 HUGE_RANGE = 1e30
 _INTERNAL = re.compile(r"^val_\d+$")
@@ -48,11 +45,13 @@ def coverage_report(
     bits: tuple[int, int] | None,
     left_float: Mapping[str, str] | None = None,
     preset: str | None = None,
+    collapsed: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report for one export. ``model`` is the lowered model (either format), ``names``
     qid -> the tensor each quantizer annotates, ``bits`` the preset's (weight, activation)
     bits (None: the model brought its own quantizers; settings are then not compared) and
-    ``left_float`` the tensors calibration left float (name -> why)."""
+    ``left_float`` the tensors calibration left float (name -> why), ``collapsed`` the
+    activations whose calibrated range collapsed (name -> [min, max])."""
     view = onnx_view(model)
     rules = plan(view, *(bits or (8, 16)))
     encoded = _encoded(qmap, names)
@@ -86,7 +85,7 @@ def coverage_report(
         "float": sorted(floats, key=lambda e: e["tensor"]),
         "mismatched": sorted(mismatched, key=lambda e: e["tensor"]),
         "extra": sorted(extra, key=lambda e: e["tensor"]),
-        "degenerate": _degenerate(qmap, names, values),
+        "degenerate": _degenerate(qmap, names, values, collapsed or {}),
     }
     report["summary"] = summary_line(report)
     return report
@@ -165,15 +164,18 @@ def _float_entry(
         op, source = ("input" if tensor in view.inputs else "constant"), ""
         readers = [o for o in view.ops if tensor in o.inputs]
         source = readers[0].source if readers else ""
-    reason = _reason(tensor, rules, left_float, preset)
+    reason = _reason(tensor, source, rules, left_float, preset)
     return {"tensor": tensor, "op": op, "source": source, "reason": reason}
 
 
-def _reason(tensor: str, rules: Plan, left_float: Mapping[str, str], preset: str | None) -> str:
+def _reason(
+    tensor: str, source: str, rules: Plan, left_float: Mapping[str, str], preset: str | None
+) -> str:
+    """Why ``tensor`` (produced, or for an input or constant read, by ``source``) is float."""
     if tensor in left_float:
         return left_float[tensor]
     producer = rules.producers.get(tensor)
-    target = producer.source.split(" in ")[0] if producer is not None else ""
+    target = source.split(" in ")[0]
     op = target.split(".")[1] if target.startswith("aten.") else ""
     if op in UNSUPPORTED:
         return f"unsupported op {target}"
@@ -189,29 +191,35 @@ def _reason(tensor: str, rules: Plan, left_float: Mapping[str, str], preset: str
     return "not quantized by the preset"
 
 
-def _degenerate(qmap: QuantMap, names: Mapping[int, str], values: QuantValues) -> list[dict]:
-    """Activation encodings whose range collapsed to the observer's floor or spans a masking
-    constant."""
-    out = []
-    seen: set[str] = set()
+def _degenerate(
+    qmap: QuantMap, names: Mapping[int, str], values: QuantValues, collapsed: Mapping[str, Any]
+) -> list[dict]:
+    """Activations whose calibrated range collapsed (below a few steps of the smallest scale,
+    as calibration measured it) or spans a masking constant (from the encoding itself)."""
+    out = {
+        name: {
+            "tensor": name,
+            "min": float(low),
+            "max": float(high),
+            "why": "the calibrated range collapsed below a few steps of the smallest scale: "
+            "every value lands on a handful of grid points (vanishing activations?)",
+        }
+        for name, (low, high) in collapsed.items()
+    }
     for spec in qmap:
         name = names.get(spec.qid)
-        if spec.param is not None or name is None or name in seen or spec.qid not in values.values:
+        if spec.param is not None or name is None or name in out or spec.qid not in values.values:
             continue
-        seen.add(name)
         qp = values[spec.qid]
         scale = qp.scale.detach().to(torch.float64).reshape(-1).numpy()
         zero = qp.zero_point.detach().to(torch.float64).reshape(-1).numpy()
         low = float(np.min(scale * (spec.qmin - zero)))
         high = float(np.max(scale * (spec.qmax - zero)))
-        if float(np.max(scale)) <= SCALE_FLOOR * (1 + 1e-6):
-            why = (
-                "the calibrated range collapsed to the smallest scale: the values are (nearly) "
-                "constant, e.g. vanishing activations of a random-init network"
-            )
-        elif max(abs(low), abs(high)) >= HUGE_RANGE:
-            why = "the range spans a masking constant: ordinary values fall on one step"
-        else:
-            continue
-        out.append({"tensor": name, "min": low, "max": high, "why": why})
-    return sorted(out, key=lambda e: e["tensor"])
+        if max(abs(low), abs(high)) >= HUGE_RANGE:
+            out[name] = {
+                "tensor": name,
+                "min": low,
+                "max": high,
+                "why": "the range spans a masking constant: ordinary values fall on one step",
+            }
+    return [out[k] for k in sorted(out)]

@@ -17,14 +17,16 @@ import json
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from graphbuild.engine.codecs import FileArtifact, roundtrip
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
 from graphbuild.errors import ConfigError
 from graphbuild.frontend.capture import as_args, capture
-from graphbuild.frontend.devices import host_state, model_tensors
+from graphbuild.frontend.devices import host_state, model_tensors, to_device
 from graphbuild.frontend.programs import ProgramArtifact, strip_state
 from graphbuild.frontend.quantmap import QuantMap, QuantValues
-from graphbuild.frontend.reference import reference_from_model, reference_from_program
+from graphbuild.frontend.reference import reference_from_model
 from graphbuild.targets.base import Request, coerce_options
 from graphbuild.targets.qnn.options import FORMATS, QnnOnnxOptions
 
@@ -35,7 +37,7 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     """PT2E calibration. A tensor whose calibration saw non-finite values stays float; the
     program's notes say which (the coverage report names them)."""
     from graphbuild.frontend.quantize import quantize as quantize_pt2e
-    from graphbuild.targets.qnn import preset  # noqa: F401  - registers the QNN presets
+    from graphbuild.targets.qnn.preset import is_preset_quantizer  # registers the presets too
 
     (captured,) = inputs
     state = host_state(context.input)
@@ -48,7 +50,13 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
         as_args(samples),
         drop_non_finite=True,
     )
-    notes = {"left_float": dict(sorted(result.left_float.items()))} if result.left_float else {}
+    notes: dict[str, Any] = {}
+    if is_preset_quantizer(context["quantizer"]):
+        notes["symmetric_when_signed"] = True  # AIMET's convention, which q/dq ops do not say
+    if result.left_float:
+        notes["left_float"] = dict(sorted(result.left_float.items()))
+    if result.degenerate:
+        notes["degenerate"] = {k: list(v) for k, v in sorted(result.degenerate.items())}
     return ProgramArtifact(result.program, has_state=True, notes=notes)
 
 
@@ -66,17 +74,18 @@ def normalize(inputs: tuple, samples: Any, context: Any) -> tuple:
 def normalize_quantized(inputs: tuple, samples: Any, context: Any) -> tuple:
     """normalize for a PT2E program: its values are calibrated, qparams reads them there.
     A QNN preset's quantizers are symmetric exactly when signed (AIMET's convention), which
-    the graph's quantize ops do not say: the quant map records it."""
+    the graph's quantize ops do not say: the quantize stage notes it, the quant map records
+    it."""
     from graphbuild.frontend.normalize import normalize_program
-    from graphbuild.targets.qnn.preset import is_preset_quantizer
 
     (program,) = inputs
     marker, qmap = normalize_program(program.program)
-    if is_preset_quantizer(context["quantizer"]):
+    if program.notes.get("symmetric_when_signed"):
         qmap = QuantMap(tuple(replace(s, symmetric=s.signed) for s in qmap))
     doc = qmap.to_json()
-    if program.notes.get("left_float"):
-        doc["left_float"] = dict(program.notes["left_float"])
+    for key in ("left_float", "degenerate"):
+        if program.notes.get(key):
+            doc[key] = dict(program.notes[key])
     return roundtrip(ProgramArtifact(strip_state(marker))), doc, {}
 
 
@@ -241,6 +250,7 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
         preset_bits(preset) if preset else None,
         qmap.get("left_float"),
         preset,
+        qmap.get("degenerate"),
     )
     for entry in report["degenerate"]:
         warnings.warn(f"coverage: '{entry['tensor']}': {entry['why']}", stacklevel=2)
@@ -249,23 +259,39 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
     return report
 
 
+def reference_with_tensors(inputs: tuple, samples: Any, context: Any) -> dict:
+    """The quantized program's outputs on the sample inputs, and its quantized activations
+    (``tensor:<name>``) for the forced comparison of ``check_numerics``."""
+    from graphbuild.frontend.reference import reference_from_program
+    from graphbuild.targets.qnn.numerics import TENSOR_PREFIX, quantized_tensors
+
+    (program,) = inputs
+    reference = reference_from_program(inputs, samples, context)
+    with torch.no_grad():
+        tensors = quantized_tensors(program.program, to_device(as_args(samples), "cpu"))
+    reference.update({f"{TENSOR_PREFIX}{qid}": value for qid, value in tensors.items()})
+    return reference
+
+
 def check_numerics_float(inputs: tuple, samples: Any, context: Any) -> dict:
     """``onnx``: put Q/DQ back from the ``.encodings`` file alone, run it in onnxruntime on
     the sample inputs, and compare with the quantized torch model."""
     from graphbuild.targets.qnn.numerics import compare_outputs
 
-    bound, enc_file, reference = inputs
+    bound, enc_file, reference, (_, names) = inputs
     doc = json.loads(enc_file.data)
-    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=True)
+    qids = {int(q): n for q, n in names.items()}
+    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=True, names=qids)
 
 
 def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
     """``onnx_qdq``: run the Q/DQ model as written and compare with the torch model."""
     from graphbuild.targets.qnn.numerics import compare_outputs
 
-    bound, enc_file, reference = inputs
+    bound, enc_file, reference, (_, names) = inputs
     doc = json.loads(enc_file.data)
-    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=False)
+    qids = {int(q): n for q, n in names.items()}
+    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=False, names=qids)
 
 
 # --------------------------------------------------------------------------- wiring
@@ -301,7 +327,7 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     norm = p.register_stage(
         normalize_quantized if quantized else normalize,
         "normalize",
-        reads=("registry.recognizers", "ctx.quantizer") if quantized else ("registry.recognizers",),
+        reads=("registry.recognizers",),
     ).depends_on(source)
     qmap = p.register_stage(quant_map, "quant_map", reads=()).depends_on(norm)
     if quantized:
@@ -343,12 +369,13 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     p.output_files = frozenset({f"{request.model_name}.encodings"})
     if opts.check_numerics:
         if opts.quantizer is not None:
-            ref = p.register_stage(reference_from_program, "reference", reads=("samples",))
+            ref = p.register_stage(reference_with_tensors, "reference", reads=("samples",))
             ref.depends_on(source)
         else:
             ref = p.register_stage(reference_from_model, "reference", reads=("input", "samples"))
         check = check_numerics_float if fmt == "onnx" else check_numerics_qdq
-        p.register_stage(check, "check_numerics", reads=("samples",)).depends_on(bound, enc, ref)
+        check_stage = p.register_stage(check, "check_numerics", reads=("samples",))
+        check_stage.depends_on(bound, enc, ref, lower)
         p.reports["numerics"] = "check_numerics"
     return p
 

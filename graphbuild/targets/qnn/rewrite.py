@@ -11,7 +11,8 @@ in the aten graph too. These rewrites make that so:
   (Mul), ``adaptive_avg_pool2d`` to 1x1 (ReduceMean) and ``scaled_dot_product_attention``
   (MatMul, Mul, Where or Add, Softmax, MatMul);
 * a Python number an op computes with (``x * 0.5``, ``x + 1e-6``) becomes a 0-d tensor
-  constant, the initializer QNN quantizes.
+  constant, the initializer QNN quantizes; a float tensor filled with one number (``zeros``,
+  ``full``) becomes that constant expanded, as the exporter writes it.
 
 A boolean attention mask is applied as ``where(mask, scores, MASK_FILL)``: ``-inf`` has no
 quantized representation and ``finfo.min`` would leave the scores no resolution on any grid,
@@ -311,7 +312,40 @@ def _repeat_kv(emit: _Emitter, x: Node, qv: torch.Tensor) -> Node:
     return emit(aten.reshape.default, wide, [*batch, heads * groups, seq, dim])
 
 
+def _filled(emit: _Emitter, node: Node) -> Node | None:
+    """A float tensor filled with one number (``zeros``, ``full``, ``ones_like``...) as the
+    exporter writes it: the number, expanded to the shape. The number is the constant QNN
+    quantizes."""
+    out = _float_val(node)
+    if out is None or any(not isinstance(d, int) for d in out.shape):
+        return None
+    name = node.target.overloadpacket.__name__
+    if name.startswith(("zeros", "new_zeros")):
+        value = 0.0
+    elif name.startswith(("ones", "new_ones")):
+        value = 1.0
+    else:  # full(size, value), full_like(x, value), new_full(x, size, value)
+        value = node.args[2] if name == "new_full" else node.args[1]
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return None
+    constant = emit.constant(float(value), out.dtype)
+    return emit(aten.expand.default, constant, list(out.shape))
+
+
+_FILLED = (
+    aten.zeros.default,
+    aten.ones.default,
+    aten.full.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+)
+
 _DECOMPOSITIONS: dict[Any, Callable[[_Emitter, Node], Node | None]] = {
+    **dict.fromkeys(_FILLED, _filled),
     aten.silu.default: _silu,
     aten.rsqrt.default: _rsqrt,
     aten.pow.Tensor_Scalar: _pow,
