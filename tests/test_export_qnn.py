@@ -312,3 +312,124 @@ def test_int32_bias_false_exports_no_bias_encodings(tmp_path, cache):
     )
     doc = json.loads((tmp_path / "model.encodings").read_text())
     assert not [e for e in doc["encodings"] if e["output_dtype"] == "int32"]
+
+
+# --------------------------------------------------------------------------- QNN-faithful files
+
+
+def preset_export(model, samples, out: Path, fmt="onnx", preset="w8a8", **options):
+    return gb.export(
+        model.eval(),
+        samples,
+        out,
+        "model",
+        format=fmt,
+        options=gb.QnnOnnxOptions(quantizer=preset, calibration=[samples], **options),
+        cache=False,
+    )
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = self.fc(x)
+        return {"logits": y.relu(), "hidden": y}
+
+
+def test_graph_outputs_keep_the_model_names(tmp_path):
+    model, samples = convnet.build()
+    preset_export(model, samples, tmp_path / "a")
+    assert [o.name for o in onnx.load(tmp_path / "a" / "model.onnx").graph.output] == ["output"]
+    preset_export(TwoHeads(), (torch.randn(2, 8),), tmp_path / "b")
+    graph = onnx.load(tmp_path / "b" / "model.onnx").graph
+    assert [o.name for o in graph.output] == ["logits", "hidden"]
+
+
+@pytest.mark.parametrize("names", [[""], ["out", "out"], "output"])
+def test_empty_repeated_or_unlisted_io_names_are_a_config_error(names):
+    with pytest.raises(gb.ConfigError, match="output_names"):
+        gb.QnnOnnxOptions(output_names=names)
+
+
+class Chunked(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+
+def test_chunk_is_one_split_not_a_sequence(tmp_path):
+    art = preset_export(Chunked(), (torch.randn(1, 4, 8),), tmp_path, check_numerics=True)
+    ops = {n.op_type for n in onnx.load(tmp_path / "model.onnx").graph.node}
+    assert "Split" in ops and not ops & {"SplitToSequence", "SequenceAt"}
+    assert art.report.extra["coverage"]["float"] == []
+    assert art.report.extra["numerics"]["forced"]["max_error_steps"] <= 1
+
+
+def test_a_tensor_with_several_readers_is_encoded_once_without_identity(tmp_path):
+    from tests.test_quantize import Decoder
+
+    torch.manual_seed(0)
+    preset_export(Decoder(), (torch.randint(0, 64, (1, 8)),), tmp_path)
+    graph = onnx.load(tmp_path / "model.onnx").graph
+    doc = json.loads((tmp_path / "model.encodings").read_text())
+    names = [e["name"] for s in ("activation_encodings", "param_encodings") for e in doc[s]]
+    assert len(names) == len(set(names))
+    identities = {o for n in graph.node if n.op_type == "Identity" for o in n.output}
+    assert not identities & set(names)  # QNN may drop an Identity, and its encoding with it
+
+
+@pytest.mark.parametrize("preset", ["w8a8", "w4a16"])
+def test_qdq_weights_are_on_the_full_signed_grid_without_clamps(tmp_path, preset):
+    model, samples = convnet.build()
+    preset_export(model, samples, tmp_path, fmt="onnx_qdq", preset=preset)
+    graph = onnx.load(tmp_path / "model.onnx").graph
+    assert not {n.op_type for n in graph.node} & {"Clip", "Max", "Min"}
+    doc = json.loads((tmp_path / "model.encodings").read_text())
+    bits = 8 if preset == "w8a8" else 4
+    for entry in doc["param_encodings"]:
+        assert entry["is_sym"] and set(entry["offset"]) == {-(2 ** (bits - 1))}
+
+
+def test_weight_scale_is_aimets_symmetric_scale(tmp_path):
+    model, samples = convnet.build()
+    preset_export(model, samples, tmp_path)
+    doc = json.loads((tmp_path / "model.encodings").read_text())
+    entry = next(e for e in doc["param_encodings"] if e["name"] == "conv1.weight")
+    weight = model.conv1.weight.detach().reshape(8, -1)
+    expected = torch.maximum(weight.amax(1).clamp(min=0) / 127, -weight.amin(1).clamp(max=0) / 128)
+    assert entry["scale"] == pytest.approx(expected.tolist(), rel=1e-6)
+
+
+class TiedEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.nn.functional.gelu(self.embed(ids)))
+
+
+def test_a_tied_embedding_table_gets_one_initializer_per_role(tmp_path):
+    """Read by Gather, the table is an activation; read by the output layer, a per-channel
+    weight: two quantizers, two initializers (AIMET refuses one shared by both)."""
+    torch.manual_seed(0)
+    art = preset_export(TiedEmbedding(), (torch.randint(0, 32, (1, 6)),), tmp_path, preset="w8a16")
+    assert art.report.extra["coverage"]["float"] == []
+    doc = json.loads((tmp_path / "model.encodings").read_text())
+    encoded = {e["name"]: e for s in ("activation_encodings", "param_encodings") for e in doc[s]}
+    graph = onnx.load(tmp_path / "model.onnx").graph
+    assert len(graph.initializer) == 2
+    (gather,) = [n for n in graph.node if n.op_type == "Gather"]
+    (transpose,) = [n for n in graph.node if n.op_type == "Transpose"]
+    table, head = encoded[gather.input[0]], encoded[transpose.input[0]]
+    assert (table["bw"], table["is_sym"], table["enc_type"]) == (16, False, "PER_TENSOR")
+    assert (head["bw"], head["is_sym"], head["enc_type"]) == (8, True, "PER_CHANNEL")

@@ -9,7 +9,8 @@ in the aten graph too. These rewrites make that so:
 * ops the ONNX exporter lowers to several ONNX ops are spelled out in aten ops that each lower
   to one: ``silu`` (Sigmoid, Mul), ``rsqrt`` (Sqrt, Reciprocal), ``pow`` by 2 or 3
   (Mul), ``adaptive_avg_pool2d`` to 1x1 (ReduceMean) and ``scaled_dot_product_attention``
-  (MatMul, Mul, Where or Add, Softmax, MatMul);
+  (MatMul, Mul, Where or Add, Softmax, MatMul); a ``softmax`` asked for its input's own dtype
+  loses the no-op Cast;
 * a Python number an op computes with (``x * 0.5``, ``x + 1e-6``) becomes a 0-d tensor
   constant, the initializer QNN quantizes; a float tensor filled with one number (``zeros``,
   ``full``) becomes that constant expanded, as the exporter writes it.
@@ -332,6 +333,17 @@ def _filled(emit: _Emitter, node: Node) -> Node | None:
     return emit(aten.expand.default, constant, list(out.shape))
 
 
+def _softmax(emit: _Emitter, node: Node) -> Node | None:
+    """``softmax(x, dim, dtype=x.dtype)``: the exporter adds a Cast after the Softmax for the
+    dtype, and QNN would quantize the Softmax and not the Cast; the dtype changes nothing."""
+    x, dim = node.args[0], node.args[1]
+    dtype = node.args[2] if len(node.args) > 2 else node.kwargs.get("dtype")
+    xv = _float_val(x)
+    if dtype is None or xv is None or dtype != xv.dtype:
+        return None
+    return emit(node.target, x, dim)
+
+
 _FILLED = (
     aten.zeros.default,
     aten.ones.default,
@@ -352,6 +364,8 @@ _DECOMPOSITIONS: dict[Any, Callable[[_Emitter, Node], Node | None]] = {
     aten.adaptive_avg_pool2d.default: _adaptive_avg_pool,
     aten.adaptive_avg_pool1d.default: _adaptive_avg_pool,
     aten.scaled_dot_product_attention.default: _sdpa,
+    aten.softmax.int: _softmax,
+    aten.log_softmax.int: _softmax,
 }
 
 

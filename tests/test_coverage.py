@@ -1,0 +1,176 @@
+"""The coverage report: what QNN HTP runs quantized that an export leaves float, and why."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import graphbuild as gb
+from graphbuild.errors import CoverageError, StageError
+from tests.models import FakeQuantConvNet
+
+
+class WithLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.lstm(x)
+        return self.fc(y)
+
+
+class Vanishing(nn.Module):
+    """Activations of ~1e-9: below any usable scale (a random-init network's dead layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x * 1e-9)
+
+
+class InfMask(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x + torch.full((4, 4), float("-inf")).triu(1), dim=-1)
+
+
+def export(model, sample, out, **options) -> gb.ExportArtifacts:
+    torch.manual_seed(0)
+    return gb.export(
+        model.eval(),
+        sample,
+        out,
+        "model",
+        options=gb.QnnOnnxOptions(quantizer="w8a8", calibration=[sample], **options),
+        cache=False,
+    )
+
+
+def test_a_fully_quantized_export_reports_every_tensor_covered(tmp_path):
+    from examples import convnet
+
+    model, sample = convnet.build()
+    report = export(model, sample, tmp_path).report.extra["coverage"]
+    assert report["quantized"] == report["expected"] == 7  # x, 3 weights, relu, relu_1, output
+    assert report["float"] == report["mismatched"] == report["extra"] == []
+    assert report["summary"] == "7/7 tensors quantized as QNN HTP runs them"
+
+
+def test_an_lstm_is_named_as_an_unsupported_op_not_passed_through(tmp_path):
+    sample = (torch.randn(1, 5, 8),)
+    report = export(WithLSTM(), sample, tmp_path).report.extra["coverage"]
+    lstm = [e for e in report["float"] if "lstm" in e["source"]]
+    assert lstm and all(e["reason"] == "unsupported op aten.lstm.input" for e in lstm)
+    assert {"lstm.weight_ih_l0", "lstm.weight_hh_l0"} <= {e["tensor"] for e in lstm}
+    assert all("torch.nn.modules.rnn.LSTM" in e["source"] for e in lstm)
+    assert "unsupported op aten.lstm.input" in report["summary"]
+
+
+def test_an_infinite_mask_stays_float_with_its_reason(tmp_path):
+    sample = (torch.randn(1, 4, 4),)
+    art = export(InfMask(), sample, tmp_path, check_numerics=True)
+    floats = {e["tensor"]: e["reason"] for e in art.report.extra["coverage"]["float"]}
+    assert "add" in floats and "non-finite" in floats["add"]
+    assert art.report.extra["numerics"]["outputs"][0]["sqnr_db"] > 40  # the softmax is quantized
+
+
+def test_a_collapsed_activation_range_is_warned(tmp_path):
+    sample = (torch.randn(1, 8),)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = export(Vanishing(), sample, tmp_path).report.extra["coverage"]
+    (entry,) = report["degenerate"]
+    assert entry["tensor"] == "mul" and abs(entry["max"]) < 1e-8
+    assert "collapsed" in entry["why"] and "1 degenerate range" in report["summary"]
+    assert any("'mul'" in str(w.message) and "collapsed" in str(w.message) for w in caught)
+
+
+def test_a_pre_quantized_model_is_checked_by_name(tmp_path):
+    art = gb.export(
+        FakeQuantConvNet().eval(), (torch.randn(1, 3, 16, 16),), tmp_path, "m", cache=False
+    )
+    report = art.report.extra["coverage"]
+    assert report["preset"] is None and report["expected"] > 0
+    for entry in report["float"]:
+        assert entry["reason"] == "the model has no quantizer here"
+
+
+def test_the_report_is_in_the_lock_file(tmp_path):
+    from examples import convnet
+
+    model, sample = convnet.build()
+    art = export(model, sample, tmp_path)
+    lock = json.loads((tmp_path / "graphbuild.lock.json").read_text())
+    assert lock["reports"]["coverage"] == art.report.extra["coverage"]
+
+
+def test_strict_coverage_fails_the_export_naming_the_float_tensors(tmp_path):
+    sample = (torch.randn(1, 5, 8),)
+    with pytest.raises(StageError) as err:
+        export(WithLSTM(), sample, tmp_path, strict_coverage=True)
+    assert err.value.stage == "coverage" and isinstance(err.value.cause, CoverageError)
+    assert "lstm.weight_ih_l0 (unsupported op aten.lstm.input)" in str(err.value.cause)
+    assert not (tmp_path / "model.onnx").exists()  # nothing placed
+
+
+def test_strict_coverage_passes_a_complete_export(tmp_path):
+    from examples import convnet
+
+    model, sample = convnet.build()
+    assert export(model, sample, tmp_path, strict_coverage=True).report.extra["coverage"]
+
+
+LSTM_PROJECT = """
+import torch
+from torch import nn
+
+
+class WithLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(self.lstm(x)[0])
+
+
+def build():
+    torch.manual_seed(0)
+    return WithLSTM().eval(), (torch.randn(1, 5, 8),)
+"""
+
+
+def test_cli_strict_coverage_is_exit_1_and_the_summary_is_printed(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "lstm_model.py").write_text(LSTM_PROJECT)
+    (tmp_path / "graphbuild.toml").write_text(
+        'model = "lstm_model.py:build"\nmodel_name = "lstm"\n[quantization]\npreset = "w8a8"\n'
+    )
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    env["GRAPHBUILD_CACHE_DIR"] = str(tmp_path / "cache")
+
+    def run(*flags: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "graphbuild", "export", "--target", "qnn", *flags]
+        return subprocess.run(
+            cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+
+    lenient = run()
+    assert lenient.returncode == 0, lenient.stderr[-2000:]
+    assert "coverage   " in lenient.stdout and "unsupported op aten.lstm.input" in lenient.stdout
+    strict = run("--strict-coverage")
+    assert strict.returncode == 1
+    assert "strict coverage" in strict.stderr and "lstm.weight_ih_l0" in strict.stderr
