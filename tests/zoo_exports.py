@@ -25,15 +25,20 @@ DEFAULT_CASES = frozenset(
     }
 )
 
-_DONE: dict[tuple[str, str, str, str], gb.ExportArtifacts] = {}
+_DONE: dict[tuple, gb.ExportArtifacts] = {}
 
 
 def export_zoo(
-    name: str, preset: str, fmt: str, cache: gb.Cache, version: str = "1.0.0"
+    name: str,
+    preset: str,
+    fmt: str,
+    cache: gb.Cache,
+    version: str = "1.0.0",
+    int32_bias: bool | None = None,
 ) -> gb.ExportArtifacts:
     """Export zoo model ``name`` with ``preset`` (numerics checked) into a directory of its own
     beside the cache; the second call with the same arguments returns the first's result."""
-    key = (name, preset, fmt, version)
+    key = (name, preset, fmt, version) + (() if int32_bias is None else (f"bias{int32_bias}",))
     if key not in _DONE:
         model, sample = zoo.build(name)
         out = Path(cache.path).parent / "zoo-out" / "-".join(key)
@@ -47,6 +52,7 @@ def export_zoo(
                 quantizer=preset,
                 calibration=zoo.calibration(name),
                 encodings_version=version,
+                int32_bias=int32_bias,
                 check_numerics=True,
             ),
             cache=cache,
