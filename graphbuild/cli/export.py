@@ -105,7 +105,7 @@ def export(
         bool,
         typer.Option(
             "--strict-coverage",
-            help="qnn: fail (exit 1) when a tensor QNN HTP runs quantized is left float.",
+            help="Fail (exit 1) when the coverage report finds a tensor the device runs quantized left float.",
         ),
     ] = False,
     as_json: JsonOpt = False,

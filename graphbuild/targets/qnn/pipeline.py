@@ -6,6 +6,8 @@
                                  |                                      |            ^
                                  +-> quant_map -> qparams -> [weight_qparams] ------+
                                                     +---------------------> encodings
+                                                    +-> coverage (HTP rules on the lowered
+                                                        model against the quant map)
 
 Structure (capture, normalize, to_onnx, lower_markers) never reads weight or quantizer
 values; values enter at qparams, bind and encodings (DESIGN.md, invariant 5).
@@ -16,8 +18,6 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from typing import Any
-
-import torch
 
 from graphbuild.engine.codecs import FileArtifact, roundtrip
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
@@ -261,14 +261,13 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
 
 def reference_with_tensors(inputs: tuple, samples: Any, context: Any) -> dict:
     """The quantized program's outputs on the sample inputs, and its quantized activations
-    (``tensor:<name>``) for the forced comparison of ``check_numerics``."""
+    (``tensor:<qid>``) for the forced comparison of ``check_numerics``."""
     from graphbuild.frontend.reference import reference_from_program
     from graphbuild.targets.qnn.numerics import TENSOR_PREFIX, quantized_tensors
 
     (program,) = inputs
     reference = reference_from_program(inputs, samples, context)
-    with torch.no_grad():
-        tensors = quantized_tensors(program.program, to_device(as_args(samples), "cpu"))
+    tensors = quantized_tensors(program.program, to_device(as_args(samples), "cpu"))
     reference.update({f"{TENSOR_PREFIX}{qid}": value for qid, value in tensors.items()})
     return reference
 
