@@ -160,14 +160,14 @@ def test_cache_commands_work_on_the_shared_cache(team, tmp_path):
     entries = run("ls")["entries"]
     verify = run("verify", "--no-repair")
 
-    assert stats["entries"] == len(entries) == 11 and stats["blobs"] > 0
-    assert {e["stage"] for e in entries} >= {"capture", "to_onnx", "bind", "encodings"}
+    assert stats["entries"] == len(entries) == 12 and stats["blobs"] > 0  # one per stage
+    assert {e["stage"] for e in entries} >= {"capture", "to_onnx", "bind", "encodings", "coverage"}
     assert stats["path"] == url
-    assert verify["corrupt"] == [] and verify["checked_entries"] == 11
+    assert verify["corrupt"] == [] and verify["checked_entries"] == 12
     local = CliRunner().invoke(
         app, ["cache", "stats", "--json", "--cache-dir", str(first / "cache")]
     )
-    assert json.loads(local.stdout)["entries"] == 11  # the local cache is another cache
+    assert json.loads(local.stdout)["entries"] == 12  # the local cache is another cache
 
 
 def test_cache_verify_on_the_shared_cache_finds_and_removes_a_corrupt_blob(redis_url, tmp_path):
