@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -183,16 +183,7 @@ class _Builder:
                     if w == const and consumer == self.out.nodes[op.name].name:
                         self.out.weight_axes[(copy, consumer)] = axis
                 inputs = tuple(copy if t == const else t for t in op.inputs)
-                self.ops[i] = OpNode(
-                    op.name,
-                    op.op_type,
-                    inputs,
-                    op.outputs,
-                    op.depthwise,
-                    op.groups,
-                    op.cast_from_float,
-                    op.source,
-                )
+                self.ops[i] = replace(op, inputs=inputs)
 
     def add(self, node: Node) -> None:
         if node.op == "placeholder":
@@ -255,14 +246,14 @@ class _Builder:
         outputs: Sequence[str],
         **extra: Any,
     ) -> None:
+        name = node.name if node.name not in self.out.nodes else f"{node.name}.{op_type}"
         op = OpNode(
-            name=f"{node.name}"
-            if not any(o.name == node.name for o in self.ops)
-            else f"{node.name}.{op_type}",
+            name=name,
             op_type=op_type,
             inputs=tuple(inputs),
             outputs=tuple(outputs),
             source=f"aten.{op_name(node)}",
+            origin=node.name,
             **extra,
         )
         self.out.nodes[op.name] = node

@@ -194,9 +194,10 @@ def _force(
     model: onnx.ModelProto, table: Mapping[str, Any], internal: Mapping[str, torch.Tensor]
 ) -> list[str]:
     """The encoded activations that can be forced: produced by a node, not a graph output,
-    with a torch value of the same shape."""
+    with a torch value of the shape ONNX declares."""
     produced = {o for n in model.graph.node for o in n.output}
     outputs = {o.name for o in model.graph.output}
+    declared = _declared_shapes(model)
     return [
         name
         for name in sorted(internal)
@@ -204,7 +205,18 @@ def _force(
         and name in produced
         and name not in outputs
         and table[name].scale.size == 1
+        and tuple(internal[name].shape) == declared.get(name, tuple(internal[name].shape))
     ]
+
+
+def _declared_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    """The static shapes ONNX declares for its values."""
+    shapes = {}
+    for vi in (*model.graph.value_info, *model.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if dims and all(d.HasField("dim_value") for d in dims):
+            shapes[vi.name] = tuple(d.dim_value for d in dims)
+    return shapes
 
 
 def forced_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:

@@ -122,6 +122,12 @@ class _Annotator:
         self.output: dict[Node, QuantizationSpecBase] = {}
         self.anchors: dict[str, object] = {}
         self.skipped = self._unsupported_tensors()
+        self.readers: dict[str, list[Node]] = defaultdict(list)
+        for op in view.view.ops:  # the fx nodes that read each tensor, as the view has it
+            node = view.nodes[op.name]
+            for t in dict.fromkeys(i for i in op.inputs if i is not None):
+                if node.op == "call_function" and node not in self.readers[t]:
+                    self.readers[t].append(node)
 
     def _unsupported_tensors(self) -> set[str]:
         """Outputs and parameters of ops the preset does not support (left float)."""
@@ -169,7 +175,7 @@ class _Annotator:
             self.output[node] = spec
             self.anchors.setdefault(tensor, node)
             return
-        readers = self._readers(tensor)
+        readers = self.readers.get(tensor, [])
         if not readers:
             return
         first = (node, readers[0])
@@ -177,12 +183,6 @@ class _Annotator:
         for reader in readers[1:]:
             self.inputs[reader][node] = SharedQuantizationSpec(first)
         self.anchors.setdefault(tensor, first)
-
-    def _readers(self, tensor: str) -> list[Node]:
-        """The fx nodes that read ``tensor`` as the view has it (a per-reader copy of a shared
-        constant is read by one)."""
-        readers = [self.view.nodes[op.name] for op in self.view.view.ops if tensor in op.inputs]
-        return [n for n in dict.fromkeys(readers) if n.op == "call_function"]
 
 
 def is_preset_quantizer(quantizer: object) -> bool:

@@ -164,10 +164,12 @@ def _float_val(node: Any) -> torch.Tensor | None:
 
 # ---------------------------------------------------------------------------- wrappers
 
+#: higher-order op name -> index of its submodule argument
+_WRAPPER_ARGS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
 _WRAPPERS = {
-    # higher-order op -> index of its submodule argument
-    torch.ops.higher_order.wrap_with_set_grad_enabled: 1,
-    torch.ops.higher_order.wrap_with_autocast: 4,
+    op: index
+    for name, index in _WRAPPER_ARGS.items()
+    if (op := getattr(torch.ops.higher_order, name, None)) is not None
 }
 
 
@@ -180,7 +182,7 @@ def _inline_wrappers(gm: GraphModule) -> None:
         index = _WRAPPERS.get(node.target) if node.op == "call_function" else None
         if index is None:
             continue
-        if node.target is torch.ops.higher_order.wrap_with_autocast and node.args[2]:
+        if getattr(node.target, "__name__", "") == "wrap_with_autocast" and node.args[2]:
             continue  # an enabled autocast region changes dtypes: left to the exporter
         sub_node = node.args[index]
         sub = getattr(gm, sub_node.target)
