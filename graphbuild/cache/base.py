@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from graphbuild.engine.hashing import digest_bytes
+
 
 class StoreUnavailable(OSError):
     """A store that cannot be reached, opened or written right now."""
@@ -37,6 +39,16 @@ class CorruptBlob(Exception):
     def __init__(self, digest: str, why: str):
         self.digest = digest
         super().__init__(f"blob {str(digest)[:16]!s}... {why}")
+
+
+def checked_blob(digest: str, data: bytes, size: int | None) -> bytes:
+    """``data`` if it is the blob ``digest`` names (of ``size`` bytes when given); raises
+    CorruptBlob. Every store reads through this, whatever it keeps the bytes in."""
+    if size is not None and len(data) != size:
+        raise CorruptBlob(digest, f"has {len(data)} bytes, expected {size}")
+    if digest_bytes(data) != digest:
+        raise CorruptBlob(digest, "does not match its digest")
+    return data
 
 
 def read_only_error(where: str = "") -> OSError:

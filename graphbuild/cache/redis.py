@@ -33,9 +33,15 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.exceptions
 
-from graphbuild.cache.base import CorruptBlob, Stores, StoreUnavailable, read_only_error
+from graphbuild.cache.base import (
+    CorruptBlob,
+    Stores,
+    StoreUnavailable,
+    checked_blob,
+    read_only_error,
+)
 from graphbuild.cache.names import is_digest
-from graphbuild.engine.hashing import Hasher, digest_bytes
+from graphbuild.engine.hashing import Hasher
 from graphbuild.errors import CacheError
 
 PREFIX = "graphbuild:v1:"
@@ -226,12 +232,7 @@ class RedisBlobs:
             raise CorruptBlob(digest, f"cannot be read ({err})") from err
         if any(p is None for p in parts):
             raise CorruptBlob(digest, "has chunks missing (evicted or removed)")
-        data = b"".join(parts)
-        if len(data) != length:
-            raise CorruptBlob(digest, f"has {len(data)} bytes, its header says {length}")
-        if digest_bytes(data) != digest:
-            raise CorruptBlob(digest, "does not match its digest")
-        return data
+        return checked_blob(digest, b"".join(parts), length)
 
     def verify(self, digest: str) -> bool:
         if not is_digest(digest):

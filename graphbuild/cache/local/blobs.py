@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from graphbuild.cache.base import CorruptBlob, read_only_error
+from graphbuild.cache.base import CorruptBlob, checked_blob, read_only_error
 from graphbuild.cache.local.fs import Dir, ForeignPath, is_dir_entry, is_file_entry
 from graphbuild.cache.names import is_digest
-from graphbuild.engine.hashing import Hasher, digest_bytes
+from graphbuild.engine.hashing import Hasher
 
 _CHUNK = 8 << 20
 _SHARD = re.compile(r"[0-9a-f]{2}")
@@ -151,11 +151,7 @@ class FileBlobs:
                 data = shard.read_bytes(digest[2:])
         except OSError as err:
             raise CorruptBlob(digest, f"cannot be read ({err.strerror or err})") from err
-        if size is not None and len(data) != size:
-            raise CorruptBlob(digest, f"has {len(data)} bytes, expected {size}")
-        if digest_bytes(data) != digest:
-            raise CorruptBlob(digest, "does not match its digest")
-        return data
+        return checked_blob(digest, data, size)
 
     def verify(self, digest: str) -> bool:
         if not is_digest(digest):

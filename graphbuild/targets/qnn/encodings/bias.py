@@ -23,40 +23,10 @@ import onnx
 
 from graphbuild.frontend.quantmap import QuantSpec
 from graphbuild.onnx.lower import QID_KEY
+from graphbuild.targets.qnn.htp_config import GRID_PRESERVING
 
 __all__ = ["BiasScale", "find_int32_biases"]
 
-# aimet_onnx/common/onnx/_utils.py, _is_grid_preserving_op (aimet-onnx 2.42), default domain.
-_GRID_PRESERVING = frozenset(
-    {
-        "Col2Im",
-        "Compress",
-        "DepthToSpace",
-        "Dropout",
-        "Expand",
-        "Flatten",
-        "Gather",
-        "GatherElements",
-        "GatherND",
-        "Identity",
-        "MaxPool",
-        "MaxRoiPool",
-        "NonZero",
-        "Pad",
-        "ReduceMax",
-        "ReduceMin",
-        "Reshape",
-        "Slice",
-        "SpaceToDepth",
-        "Split",
-        "SplitToSequence",
-        "Squeeze",
-        "Tile",
-        "TopK",
-        "Transpose",
-        "Unsqueeze",
-    }
-)
 _FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 
 
@@ -188,7 +158,7 @@ class _Graph:
             if node is None or tensor in seen or not node.input:
                 return None
             seen.add(tensor)
-            if not (node.op_type in _GRID_PRESERVING and node.domain in ("", "ai.onnx")) and not (
+            if not (node.op_type in GRID_PRESERVING and node.domain in ("", "ai.onnx")) and not (
                 self._is_float_cast(node)
             ):
                 return None
