@@ -617,7 +617,21 @@ def _as_member(uid: int, gid: int) -> list[str]:
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("running as root without setpriv: cannot act as two users")
-    return [setpriv, f"--reuid={uid}", f"--regid={gid}", f"--groups={gid}", "--"]
+    member = [setpriv, f"--reuid={uid}", f"--regid={gid}", f"--groups={gid}", "--"]
+    probe = subprocess.run(
+        [*member, sys.executable, "-c", "import diskcache, xxhash, graphbuild"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd="/",
+        timeout=120,
+    )
+    if probe.returncode != 0:
+        pytest.skip(
+            "another user cannot import this Python environment (a venv in a private "
+            f"directory?), so it cannot act as a second group member: {probe.stderr[-200:]}"
+        )
+    return member
 
 
 def test_a_group_shared_cache_directory_gives_a_second_member_hits(tmp_path):
