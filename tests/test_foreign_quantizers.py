@@ -20,7 +20,13 @@ from graphbuild.frontend.qvalues import evaluate
 from graphbuild.targets.qnn.encodings import read_encodings
 from tests.foreign_quantizers import AimetQuantizeDequantize, FFQuantizer
 
-torch.manual_seed(0)
+torch.manual_seed(0)  # the module's sample inputs
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Each test's random model is the same whichever tests ran before it."""
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="module")
