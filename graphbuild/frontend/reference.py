@@ -46,7 +46,7 @@ def reference_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
     precise = full_float32() if device.type == "cuda" else contextlib.nullcontext()
     with torch.no_grad(), precise:
         out = model(*to_device(as_args(samples), device))
-    return _outputs_dict(out)
+    return outputs_dict(out)
 
 
 def reference_from_program(inputs: tuple, samples: Any, context: Any) -> dict:
@@ -54,10 +54,12 @@ def reference_from_program(inputs: tuple, samples: Any, context: Any) -> dict:
     (program,) = inputs
     with torch.no_grad():
         out = program.program.module()(*to_device(as_args(samples), "cpu"))
-    return _outputs_dict(out)
+    return outputs_dict(out)
 
 
-def _outputs_dict(out: Any) -> dict[str, torch.Tensor]:
+def outputs_dict(out: Any) -> dict[str, torch.Tensor]:
+    """A model's outputs as the reference every numerics check compares with: its tensor
+    leaves in order, as float32 on the CPU, keyed ``0000``, ``0001``..."""
     leaves, _ = torch.utils._pytree.tree_flatten(out)
     tensors = [t.detach().cpu().float().contiguous() for t in leaves if isinstance(t, torch.Tensor)]
     return {f"{i:04d}": t for i, t in enumerate(tensors)}

@@ -34,7 +34,7 @@ import onnx_ir as ir
 from graphbuild.errors import ExportError
 from graphbuild.frontend.markers import MARKER_DOMAIN, MARKER_OP
 from graphbuild.frontend.quantmap import QuantMap, QuantSpec
-from graphbuild.onnx.naming import fresh_name
+from graphbuild.onnx.naming import Namer
 from graphbuild.onnx.skeleton import STATE_LOCATION
 
 FORMATS = ("onnx", "onnx_qdq")
@@ -146,21 +146,6 @@ def _check_no_markers(model: ir.Model) -> None:
         raise ExportError(f"graphbuild nodes left after lowering: {[n.name for n in left]}")
 
 
-class _Namer:
-    """Hands out tensor and node names not yet used anywhere in the model."""
-
-    def __init__(self, model: ir.Model):
-        graph = model.graph
-        self.taken = {v.name for v in graph.inputs} | set(graph.initializers)
-        for node in ir.traversal.RecursiveGraphIterator(graph):
-            self.taken.add(node.name)
-            self.taken.update(v.name for v in (*node.inputs, *node.outputs) if v is not None)
-        self.taken.discard(None)
-
-    def fresh(self, base: str) -> str:
-        return fresh_name(base, self.taken)
-
-
 @dataclass
 class _QParams:
     """Scale and zero-point initializers of one quantizer (shared by its Q and DQ)."""
@@ -175,7 +160,7 @@ class _Lowering:
     def __init__(self, model: ir.Model, qmap: QuantMap):
         self.qmap = qmap
         self.opset = model.opset_imports.get("", 0)
-        self.namer = _Namer(model)
+        self.namer = Namer(model.graph)
         self.annotated: dict[int, ir.Value] = {}
         self.sources: dict[int, ir.Value] = {}
         self.qparams: dict[int, _QParams] = {}

@@ -19,24 +19,26 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from graphbuild.onnx.naming import fresh_name
+from graphbuild.onnx.naming import Namer
 
-__all__ = ["fold_constant_casts", "split_sequences"]
+__all__ = ["FLOAT_TYPES", "fold_constant_casts", "split_sequences"]
 
-_FLOATS = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+#: The ONNX element types QNN counts as float (a Cast to one keeps its output unquantized).
+FLOAT_TYPES = frozenset(
+    {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+)
 
 
-def split_sequences(graph: ir.Graph) -> int:
+def split_sequences(graph: ir.Graph) -> None:
     """Rewrite every ``SplitToSequence`` read only by constant-index ``SequenceAt`` into a
-    ``Split``; returns how many were rewritten. Others are left as they are."""
-    count = 0
+    ``Split``. Others are left as they are."""
+    namer = Namer(graph)
     for node in list(graph):
-        if node.op_type == "SplitToSequence" and node.domain == "" and _split(graph, node):
-            count += 1
-    return count
+        if node.op_type == "SplitToSequence" and node.domain == "":
+            _split(graph, node, namer)
 
 
-def _split(graph: ir.Graph, node: ir.Node) -> bool:
+def _split(graph: ir.Graph, node: ir.Node, namer: Namer) -> bool:
     x = node.inputs[0]
     seq = node.outputs[0]
     readers = [u.node for u in seq.uses()]
@@ -56,7 +58,7 @@ def _split(graph: ir.Graph, node: ir.Node) -> bool:
             return False
         picks.setdefault(index % len(sizes), []).append(reader.outputs[0])
     split_const = ir.Value(
-        name=_fresh(graph, f"{seq.name}_sizes"),
+        name=namer.fresh(f"{seq.name}_sizes"),
         type=ir.TensorType(ir.DataType.INT64),
         shape=ir.Shape([len(sizes)]),
     )
@@ -65,7 +67,7 @@ def _split(graph: ir.Graph, node: ir.Node) -> bool:
         [],
         attributes={"value": ir.tensor(np.array(sizes, dtype=np.int64))},
         outputs=[split_const],
-        name=_fresh_node(graph, f"{node.name}_sizes"),
+        name=namer.fresh(f"{node.name}_sizes"),
     )
     split = ir.node(
         "Split",
@@ -78,7 +80,7 @@ def _split(graph: ir.Graph, node: ir.Node) -> bool:
     for i, out in enumerate(split.outputs):
         taken = picks.get(i, [])
         if not taken:
-            out.name = _fresh(graph, f"{seq.name}_{i}")
+            out.name = namer.fresh(f"{seq.name}_{i}")
             continue
         name = taken[0].name
         out.shape, out.type = taken[0].shape, taken[0].type
@@ -115,29 +117,16 @@ def _sizes(node: ir.Node, x: ir.Value, axis: int) -> list[int] | None:
 
 
 def _const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The numbers a value holds: an initializer with data or a ``Constant`` node's."""
     if value is None:
         return None
-    if value.const_value is not None and not isinstance(value.const_value, ir.ExternalTensor):
-        return value.const_value.numpy()
-    producer = value.producer()
-    if producer is None or producer.op_type != "Constant":
+    try:
+        tensor = ir.convenience.get_const_tensor(value)
+    except ValueError:  # a Constant node of a shape the exporter never writes
         return None
-    attr = producer.attributes.get("value")
-    if attr is not None:
-        return attr.as_tensor().numpy()
-    ints = producer.attributes.get("value_ints")
-    if ints is not None:
-        return np.array(ints.as_ints(), dtype=np.int64)
-    one = producer.attributes.get("value_int")
-    if one is not None:
-        return np.array(one.as_int(), dtype=np.int64)
-    floats = producer.attributes.get("value_floats")
-    if floats is not None:
-        return np.array(floats.as_floats(), dtype=np.float32)
-    single = producer.attributes.get("value_float")
-    if single is not None:
-        return np.array(single.as_float(), dtype=np.float32)
-    return None
+    if tensor is None or isinstance(tensor, (ir.ExternalTensor, ir.StringTensor)):
+        return None  # the skeleton's state references hold no data
+    return tensor.numpy()
 
 
 def _const_int(value: ir.Value | None) -> int | None:
@@ -147,36 +136,19 @@ def _const_int(value: ir.Value | None) -> int | None:
     return int(array.reshape(-1)[0])
 
 
-def _names(graph: ir.Graph) -> set[str]:
-    names = {v.name for v in graph.inputs} | set(graph.initializers)
-    for node in graph:
-        names.update(v.name for v in node.outputs if v.name)
-        if node.name:
-            names.add(node.name)
-    return names
-
-
-def _fresh(graph: ir.Graph, base: str) -> str:
-    return fresh_name(base, _names(graph))
-
-
-def _fresh_node(graph: ir.Graph, base: str) -> str:
-    return _fresh(graph, base)
-
-
 # ---------------------------------------------------------------------------- casts
 
 
-def fold_constant_casts(graph: ir.Graph) -> int:
+def fold_constant_casts(graph: ir.Graph) -> None:
     """Fold ``Cast``/``CastLike`` of ``Constant`` nodes (and of an ``Expand`` of one) into
-    constants of the target type; returns how many casts were folded."""
-    count = 0
+    constants of the target type."""
+    namer = Namer(graph)
     for node in list(graph):
         if node.domain != "" or node.op_type not in ("Cast", "CastLike"):
             continue
         target = _target_type(node)
         src = node.inputs[0]
-        if target is None or target in _FLOATS or src is None:
+        if target is None or target in FLOAT_TYPES or src is None:
             continue  # a float result stays a Cast, whose output QNN does not quantize
         producer = src.producer()
         if producer is not None and producer.op_type == "Expand" and len(src.uses()) == 1:
@@ -184,24 +156,22 @@ def fold_constant_casts(graph: ir.Graph) -> int:
             array = _const_array(base)
             if array is None or base is None or len(base.uses()) != 1:
                 continue
-            folded = _constant(graph, node, array, target)
+            folded = _constant(namer, node, array, target)
             producer.replace_input_with(0, folded.outputs[0])
             graph.insert_before(producer, folded)
             producer.outputs[0].type = ir.TensorType(target)
             _bypass(graph, node, src)
-            count += 1
             continue
         array = _const_array(src)
         if array is None:
             continue
-        folded = _constant(graph, node, array, target)
+        folded = _constant(namer, node, array, target)
         graph.insert_before(node, folded)
         name = node.outputs[0].name
         _bypass(graph, node, folded.outputs[0])
         if not folded.outputs[0].is_graph_output():
             folded.outputs[0].name = name  # readers keep reading the name they read
     _drop_dead_constants(graph)
-    return count
 
 
 def _target_type(node: ir.Node) -> ir.DataType | None:
@@ -217,10 +187,10 @@ def _target_type(node: ir.Node) -> ir.DataType | None:
     return ir.DataType.from_numpy(array.dtype) if array is not None else None
 
 
-def _constant(graph: ir.Graph, node: ir.Node, array: np.ndarray, dtype: ir.DataType) -> ir.Node:
+def _constant(namer: Namer, node: ir.Node, array: np.ndarray, dtype: ir.DataType) -> ir.Node:
     value = np.asarray(array).astype(dtype.numpy())
     out = ir.Value(
-        name=_fresh(graph, f"{node.outputs[0].name}_const"),
+        name=namer.fresh(f"{node.outputs[0].name}_const"),
         type=ir.TensorType(dtype),
         shape=ir.Shape(list(value.shape)),
     )
@@ -229,7 +199,7 @@ def _constant(graph: ir.Graph, node: ir.Node, array: np.ndarray, dtype: ir.DataT
         [],
         attributes={"value": ir.tensor(value)},
         outputs=[out],
-        name=_fresh_node(graph, f"{node.name}_folded"),
+        name=namer.fresh(f"{node.name}_folded"),
     )
 
 

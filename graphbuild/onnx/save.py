@@ -26,7 +26,13 @@ import onnx_ir as ir
 
 from graphbuild.engine.hashing import Hasher, digest_bytes
 from graphbuild.errors import ExportError
-from graphbuild.onnx.bind import META_PREFIX, BoundModel, is_reference, iter_references
+from graphbuild.onnx.bind import (
+    META_PREFIX,
+    BoundModel,
+    array_bytes,
+    is_reference,
+    iter_references,
+)
 
 EXTERNAL_DATA_THRESHOLD = 2**31
 """Above this many tensor bytes :func:`save_model` writes external data (protobuf's limit)."""
@@ -153,7 +159,7 @@ def _byte_view(init: onnx.TensorProto, array: np.ndarray) -> memoryview | bytes:
     dtype = ir.DataType(init.data_type)
     if dtype.bitwidth < 8 or array.dtype.byteorder == ">":
         return _tobytes(init, array)
-    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return array_bytes(array)
 
 
 def _clear_reference(init: onnx.TensorProto) -> None:

@@ -27,7 +27,7 @@ import torch
 from graphbuild.errors import CoverageError
 from graphbuild.frontend.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.aten_view import UNSUPPORTED
-from graphbuild.targets.qnn.htp import CONFIG_NAME, GraphView, Plan, TensorRule, plan
+from graphbuild.targets.qnn.htp import CONFIG_NAME, GraphView, OpNode, Plan, TensorRule, plan
 from graphbuild.targets.qnn.onnx_view import onnx_view
 
 __all__ = ["check_coverage", "coverage_report", "summary_line"]
@@ -57,8 +57,11 @@ def coverage_report(
     encoded = _encoded(qmap, names)
     expected = rules.quantized()
     left_float = dict(left_float or {})
+    consumers = view.consumers()
     floats = [
-        _float_entry(t, view, rules, left_float, preset) for t in expected if t not in encoded
+        _float_entry(t, view, consumers, rules, left_float, preset)
+        for t in expected
+        if t not in encoded
     ]
     mismatched = []
     if bits is not None:
@@ -155,14 +158,19 @@ def _describe(bits: int, symmetric: bool, per_channel: bool) -> str:
 
 
 def _float_entry(
-    tensor: str, view: GraphView, rules: Plan, left_float: Mapping[str, str], preset: str | None
+    tensor: str,
+    view: GraphView,
+    consumers: Mapping[str, list[OpNode]],
+    rules: Plan,
+    left_float: Mapping[str, str],
+    preset: str | None,
 ) -> dict[str, str]:
     producer = rules.producers.get(tensor)
     if producer is not None:
         op, source = producer.op_type, producer.source
     else:
         op, source = ("input" if tensor in view.inputs else "constant"), ""
-        readers = [o for o in view.ops if tensor in o.inputs]
+        readers = consumers.get(tensor, [])
         source = readers[0].source if readers else ""
     reason = _reason(tensor, source, rules, left_float, preset)
     return {"tensor": tensor, "op": op, "source": source, "reason": reason}

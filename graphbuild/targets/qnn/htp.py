@@ -333,12 +333,14 @@ class _Planner:
                 continue
             affine = False
             tail, casts = chain[-1], []
-            while len(self._output_ops(tail)) == 1 and self._output_ops(tail)[0].op_type == "Cast":
-                tail = self._output_ops(tail)[0]
+            users = self._output_ops(tail)
+            while len(users) == 1 and users[0].op_type == "Cast":
+                tail = users[0]
                 casts.append(tail)
-            if len(self._output_ops(tail)) == 1 and self._output_ops(tail)[0].op_type == "Mul":
+                users = self._output_ops(tail)
+            if len(users) == 1 and users[0].op_type == "Mul":
                 affine = True
-                chain = [*chain, *casts, self._output_ops(tail)[0]]
+                chain = [*chain, *casts, users[0]]
             matched.update(o.name for o in chain)
             inner = chain[:-1]
             for o in inner:

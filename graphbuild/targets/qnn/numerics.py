@@ -60,9 +60,10 @@ def run_onnx(
 
 def quantized_tensors(
     program: torch.export.ExportedProgram, args: tuple
-) -> dict[int, torch.Tensor]:
-    """The dequantized value of every quantized activation of ``program`` (a PT2E-quantized
-    program) on ``args``, by qid (the numbering normalize gives its quantizers)."""
+) -> tuple[dict[int, torch.Tensor], list[Any]]:
+    """Run ``program`` (a PT2E-quantized program) once on ``args``: the dequantized value of
+    every quantized activation, by qid (the numbering normalize gives its quantizers), and
+    the program's user outputs in order."""
     from graphbuild.frontend.normalize import find_quantizers
 
     wanted: dict[torch.fx.Node, int] = {}
@@ -83,8 +84,10 @@ def quantized_tensors(
             return result
 
     with torch.no_grad():
-        _Recorder(program.graph_module).run(*_flat_inputs(program, args))
-    return values
+        results = _Recorder(program.graph_module).run(*_flat_inputs(program, args))
+    specs = program.graph_signature.output_specs
+    outputs = [r for r, s in zip(results, specs, strict=True) if s.kind.name == "USER_OUTPUT"]
+    return values, outputs
 
 
 def _flat_inputs(program: torch.export.ExportedProgram, args: tuple) -> list[Any]:
@@ -120,9 +123,9 @@ def compare_outputs(
     from graphbuild.targets.qnn.encodings import insert_fake_quant, read_encodings
 
     model = materialize(bound)
-    if reinsert:
-        model = insert_fake_quant(model, encodings)
     table = read_encodings(encodings)
+    if reinsert:
+        model = insert_fake_quant(model, encodings, table=table)
     refs = [t for k, t in sorted(reference.items()) if not k.startswith(TENSOR_PREFIX)]
     internal = {
         names[int(k[len(TENSOR_PREFIX) :])]: t
@@ -130,7 +133,8 @@ def compare_outputs(
         if k.startswith(TENSOR_PREFIX) and names and int(k[len(TENSOR_PREFIX) :]) in names
     }
     names = [o.name for o in model.graph.output]
-    steps = [_output_step(model, name, table) for name in names]
+    producer = {o: n for n in model.graph.node for o in n.output}
+    steps = [_output_step(producer, name, table) for name in names]
     outputs = []
     for ref, got, name, step in zip(refs, run_onnx(model, args), names, steps, strict=True):
         errors = output_errors(ref.numpy(), got)
@@ -149,10 +153,11 @@ def compare_outputs(
     return report
 
 
-def _output_step(model: onnx.ModelProto, name: str, table: Mapping[str, Any]) -> float | None:
+def _output_step(
+    producer: Mapping[str, onnx.NodeProto], name: str, table: Mapping[str, Any]
+) -> float | None:
     """The step of the encoding that holds a graph output: its own, or that of the tensor a
     chain of Q/DQ and data-movement ops (a final ``view``) carries to it."""
-    producer = {o: n for n in model.graph.node for o in n.output}
     seen: set[str] = set()
     while name not in table and name in producer and name not in seen:
         seen.add(name)

@@ -13,11 +13,11 @@ import re
 import onnx
 import onnx_ir as ir
 
+from graphbuild.onnx.passes import FLOAT_TYPES
 from graphbuild.targets.qnn.htp import GraphView, OpNode
 
 __all__ = ["onnx_view", "source_of"]
 
-_FLOATS = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
 _FX_NODE = "pkg.torch.onnx.fx_node"
 _CLASSES = "pkg.torch.onnx.class_hierarchy"
 _TARGET = re.compile(r"target=(?:torch\.ops\.)?([\w.]+)")
@@ -61,12 +61,12 @@ def onnx_view(model: onnx.ModelProto | ir.Model) -> GraphView:
     constants: set[str] = set()
     transposed: dict[str, str] = {}
     for v in graph.inputs:
-        if v.dtype in _FLOATS:
+        if v.dtype in FLOAT_TYPES:
             floats.add(v.name)
     scalars: dict[str, float] = {}
     for n, v in graph.initializers.items():
         constants.add(n)
-        if v.dtype in _FLOATS:
+        if v.dtype in FLOAT_TYPES:
             floats.add(n)
         value = _scalar(v.const_value)
         if value is not None:
@@ -78,7 +78,7 @@ def onnx_view(model: onnx.ModelProto | ir.Model) -> GraphView:
         outputs = tuple(name(o) or "" for o in node.outputs)
         inputs = tuple(name(i) for i in node.inputs)
         for o, value in zip(outputs, node.outputs, strict=True):
-            if value.dtype in _FLOATS:
+            if value.dtype in FLOAT_TYPES:
                 floats.add(o)
         if node.op_type == "Constant":
             constants.update(outputs)
@@ -91,7 +91,7 @@ def onnx_view(model: onnx.ModelProto | ir.Model) -> GraphView:
         ops.append(
             OpNode(
                 name=node.name or outputs[0],
-                op_type=node.op_type if node.domain in ("", "ai.onnx") else node.op_type,
+                op_type=node.op_type,
                 inputs=inputs,
                 outputs=outputs,
                 depthwise=_depthwise(node),
@@ -174,4 +174,4 @@ def _from_float(node: ir.Node) -> bool:
     to = node.attributes.get("to")
     if x is None or to is None:
         return False
-    return x.dtype in _FLOATS and ir.DataType(to.as_int()) in _FLOATS
+    return x.dtype in FLOAT_TYPES and ir.DataType(to.as_int()) in FLOAT_TYPES

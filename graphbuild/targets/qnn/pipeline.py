@@ -262,12 +262,12 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
 def reference_with_tensors(inputs: tuple, samples: Any, context: Any) -> dict:
     """The quantized program's outputs on the sample inputs, and its quantized activations
     (``tensor:<qid>``) for the forced comparison of ``check_numerics``."""
-    from graphbuild.frontend.reference import reference_from_program
+    from graphbuild.frontend.reference import outputs_dict
     from graphbuild.targets.qnn.numerics import TENSOR_PREFIX, quantized_tensors
 
     (program,) = inputs
-    reference = reference_from_program(inputs, samples, context)
-    tensors = quantized_tensors(program.program, to_device(as_args(samples), "cpu"))
+    tensors, outputs = quantized_tensors(program.program, to_device(as_args(samples), "cpu"))
+    reference = outputs_dict(outputs)
     reference.update({f"{TENSOR_PREFIX}{qid}": value for qid, value in tensors.items()})
     return reference
 

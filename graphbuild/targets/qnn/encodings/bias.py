@@ -23,6 +23,7 @@ import onnx
 
 from graphbuild.frontend.quantmap import QuantSpec
 from graphbuild.onnx.lower import QID_KEY
+from graphbuild.targets.qnn.encodings.grid import weight_axes
 from graphbuild.targets.qnn.htp_config import GRID_PRESERVING
 
 __all__ = ["BiasScale", "find_int32_biases"]
@@ -111,7 +112,8 @@ class _Graph:
         product = np.float32(x_scale.reshape(-1)[0]) * w_scale.astype(np.float32)
         if w_spec.axis is None:
             return BiasScale(bias, node.name, w_qid, product.reshape(1), per_tensor=True)
-        expected = _output_channel_axis(node, rank)
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+        expected = weight_axes(node.op_type, rank, bool(trans_b))[0]
         if w_spec.block_size is None:
             scale = product.reshape(-1)
             if axis_in_op(w_spec.axis) != expected or scale.size != channels:
@@ -198,15 +200,3 @@ class _Graph:
             return position
 
         return qid, axis_in_op, rank
-
-
-def _output_channel_axis(node: onnx.NodeProto, rank: int) -> int:
-    """The axis of ``node``'s weight input that indexes output channels."""
-    if node.op_type == "ConvTranspose":
-        return 1
-    if node.op_type == "Gemm":
-        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
-        return 0 if trans_b else 1
-    if node.op_type == "MatMul":
-        return rank - 1
-    return 0

@@ -23,3 +23,15 @@ def check_version(version: str) -> None:
         raise ExportError(
             f"unknown QNN encodings version '{version}'; known: {', '.join(VERSIONS)}"
         )
+
+
+def weight_axes(op_type: str, rank: int, trans_b: bool = False) -> tuple[int, int]:
+    """(output-channel axis, input-channel axis) of an op's weight input, as QNN reads it:
+    the axes a per-channel (1.0.0, 0.6.1: unstated) or blocked encoding runs along."""
+    if op_type == "ConvTranspose":
+        return 1, 0
+    if op_type == "MatMul":
+        return rank - 1, rank - 2
+    if op_type == "Gemm":
+        return (0, 1) if trans_b else (1, 0)
+    return 0, 1

@@ -17,7 +17,8 @@ import onnx
 import onnx_ir as ir
 
 from graphbuild.errors import ExportError
-from graphbuild.onnx.naming import fresh_name
+from graphbuild.onnx.naming import Namer
+from graphbuild.targets.qnn.encodings.grid import weight_axes
 from graphbuild.targets.qnn.encodings.read import TensorEncoding, read_encodings
 
 __all__ = ["InsertFakeQuantPass", "insert_fake_quant"]
@@ -25,15 +26,21 @@ __all__ = ["InsertFakeQuantPass", "insert_fake_quant"]
 _MIN_OPSET = 11  # Round and Clip(min, max inputs)
 
 
-def insert_fake_quant(model: onnx.ModelProto, doc: Mapping[str, Any]) -> onnx.ModelProto:
+def insert_fake_quant(
+    model: onnx.ModelProto,
+    doc: Mapping[str, Any],
+    *,
+    table: Mapping[str, TensorEncoding] | None = None,
+) -> onnx.ModelProto:
     """A copy of ``model`` with every tensor of ``doc`` quantize-dequantized in float.
 
     Each tensor ``t`` gets ``Div(s) -> Round -> Add(z) -> Clip(qmin, qmax) -> Sub(z) -> Mul(s)``
     right after its producer (at the front for initializers and graph inputs), and every
     consumer reads the result. A graph output keeps its name: the producer's output is renamed
-    and the chain writes the output. ``model`` is not modified.
+    and the chain writes the output. ``model`` is not modified. ``table`` is ``doc`` as
+    :func:`read_encodings` reads it, where the caller has read it already.
     """
-    encodings = read_encodings(doc)
+    encodings = read_encodings(doc) if table is None else table
     _check_opset(model)
     ir_model = ir.serde.deserialize_model(model)  # a new object graph; ``model`` is only read
     result = InsertFakeQuantPass(encodings, dims=lambda: _value_dims(model))(ir_model)
@@ -59,17 +66,6 @@ def _value_dims(model: onnx.ModelProto) -> dict[str, tuple[int | None, ...]]:
                 d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim
             )
     return dims
-
-
-def _node_axes(node: ir.Node, rank: int) -> tuple[int, int]:
-    """(output-channel axis, input-channel axis) of ``node``'s weight input, as QNN reads it."""
-    if node.op_type == "ConvTranspose":
-        return 1, 0
-    if node.op_type == "MatMul":
-        return rank - 1, rank - 2
-    if node.op_type == "Gemm":
-        return (0, 1) if node.attributes.get_int("transB", 0) else (1, 0)
-    return 0, 1
 
 
 def _channel_shape(enc: TensorEncoding, axis: int, dims: Sequence[int | None]) -> tuple[int, ...]:
@@ -126,7 +122,7 @@ class InsertFakeQuantPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self._taken = _taken_names(graph)
+        self._namer = Namer(graph)
         self._values = {v.name: v for v in graph.inputs}
         self._values.update(graph.initializers)
         for node in graph:
@@ -156,7 +152,7 @@ class InsertFakeQuantPass(ir.passes.InPlacePass):
     # ------------------------------------------------------------------ one tensor
 
     def _fresh(self, base: str) -> str:
-        return fresh_name(base, self._taken)
+        return self._namer.fresh(base)
 
     def _value(self, name: str) -> ir.Value:
         if name not in self._values:
@@ -212,7 +208,10 @@ class InsertFakeQuantPass(ir.passes.InPlacePass):
         if not enc.axis_implied:
             return int(enc.axis or 0), int(enc.axis or 0)
         weight_of = [use.node for use in value.uses() if use.idx == 1]
-        return _node_axes(weight_of[0], rank) if weight_of else (0, 1)
+        if not weight_of:
+            return 0, 1
+        node = weight_of[0]
+        return weight_axes(node.op_type, rank, bool(node.attributes.get_int("transB", 0)))
 
     def _constants(self, value: ir.Value, enc: TensorEncoding) -> tuple[np.ndarray, np.ndarray]:
         """Scale and zero point as float32 arrays that broadcast against the tensor."""
@@ -266,15 +265,3 @@ class InsertFakeQuantPass(ir.passes.InPlacePass):
         )
         nodes.append(mul)
         return nodes
-
-
-def _taken_names(graph: ir.Graph) -> set[str]:
-    """Every tensor and node name used in ``graph`` (not its subgraphs), as the fresh names
-    of the chains must avoid them."""
-    names = {v.name for v in (*graph.inputs, *graph.outputs) if v.name}
-    names.update(graph.initializers)
-    for node in graph:
-        names.update(v.name for v in (*node.inputs, *node.outputs) if v is not None and v.name)
-        if node.name:
-            names.add(node.name)
-    return names
