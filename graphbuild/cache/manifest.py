@@ -104,24 +104,6 @@ def check_run_record(record: Any) -> dict[str, Any] | None:
     return record
 
 
-def check_placement_stamp(stamp: Any) -> dict[str, Any] | None:
-    """``stamp`` if it has the shape of a placement stamp; None otherwise. Placement checks
-    the names it holds against the files the pipeline declares."""
-    if type(stamp) is not dict or not _table_of(stamp.get("products"), str):
-        return None
-    if stamp.get("external_data") not in (None, True, False):
-        return None
-    files = stamp.get("files")
-    if type(files) is not list:
-        return None
-    for item in files:
-        if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
-            return None
-        if type(item[1]) is not dict:
-            return None
-    return stamp
-
-
 _SCALARS = (str, int, float, bool, type(None))
 _RECORD_FIELDS: dict[str, tuple[type, ...]] = {
     "key": (str, type(None)),

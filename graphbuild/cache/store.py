@@ -20,24 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.cache.base import ActionIndex, CorruptBlob, Stores
-from graphbuild.cache.local import MARKER, default_cache_dir, open_local
+from graphbuild.cache.local import open_local
 from graphbuild.cache.manifest import (
     InvalidManifest,
     check_manifest,
-    check_placement_stamp,
     check_run_record,
 )
 from graphbuild.engine.codecs import Encoded, blob_digests, decode
 from graphbuild.errors import CacheError
 
 __all__ = [
-    "MARKER",
     "Cache",
     "CacheEntry",
     "CacheStats",
     "CorruptEntry",
     "MaintenanceReport",
-    "default_cache_dir",
 ]
 
 _MANIFEST = "m:"
@@ -302,8 +299,9 @@ class Cache:
         self._set_record(f"{_LAST}{pipeline}:{stage}", record)
 
     def placement(self, key: str) -> dict[str, Any] | None:
-        """The stamp of what an export last placed in an output directory."""
-        return check_placement_stamp(self._record(f"{_PLACED}{key}"))
+        """The stamp of what an export last placed in an output directory, as stored: the
+        placement checks it against the files its pipeline declares before using it."""
+        return self._record(f"{_PLACED}{key}")
 
     def record_placement(self, key: str, stamp: dict[str, Any]) -> None:
         self._set_record(f"{_PLACED}{key}", stamp)
@@ -352,10 +350,9 @@ class Cache:
         out.sort(key=lambda e: e.last_used, reverse=True)
         return out
 
-    def show(self, key_prefix: str) -> dict[str, Any] | None:
-        """The manifest whose key starts with ``key_prefix`` (unique), for ``cache show``."""
-        matches = [m for m in self._manifests() if m["key"].startswith(key_prefix)]
-        return matches[0] if len(matches) == 1 else None
+    def show(self, key_prefix: str) -> list[dict[str, Any]]:
+        """Every valid manifest whose key starts with ``key_prefix``, for ``cache show``."""
+        return [m for m in self._manifests() if m["key"].startswith(key_prefix)]
 
     def stats(self) -> CacheStats:
         blobs = list(self.blobs.all())
@@ -447,7 +444,8 @@ class Cache:
         """Re-hash every blob and check every manifest; with ``repair``, delete corrupt blobs
         and the entries that reference them or fail their own checks (they become misses).
         A read-only cache is checked and reported on, never repaired."""
-        report = self._report(corrupt=[], notes=list(self._report().notes or []))
+        report = self._report(corrupt=[])
+        report.notes = report.notes or []
         assert report.corrupt is not None and report.notes is not None
         if repair and self.readonly:
             repair = False

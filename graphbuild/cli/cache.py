@@ -9,6 +9,7 @@ alone (given explicitly: ``[cache] url`` and ``$GRAPHBUILD_CACHE_URL`` are for e
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -44,8 +45,12 @@ def _cache_cfg(config: Path | None) -> Config:
 
 
 def _maintenance(
-    command: str, cache: Cache, report: MaintenanceReport, as_json: bool, before: int
+    command: str, cache: Cache, run: Callable[[], MaintenanceReport], as_json: bool
 ) -> None:
+    """Run one maintenance operation and report it; the size before it is only listed when
+    a person reads the summary (a listing of every blob, on a shared cache every key)."""
+    before = None if as_json else cache.size()
+    report = run()
     stats = cache.stats()
     if as_json:
         emit_json({"command": command, **report.to_json(), "stats": stats.to_json()})
@@ -65,7 +70,7 @@ def _maintenance(
     console.print(Text(", ".join(parts)))
     console.print(
         Text(
-            f"cache {stats.path}: {human_size(before)} -> {human_size(stats.bytes)}, "
+            f"cache {stats.path}: {human_size(before or 0)} -> {human_size(stats.bytes)}, "
             f"{stats.entries} entries",
             style="dim",
         )
@@ -167,11 +172,11 @@ def cache_show(
 ) -> None:
     """One entry's manifest: stage, reads, output digests, sizes, timings."""
     cache = _cache(cache_dir, config, cache_url, repair=False)
-    matches = [e.key for e in cache.entries() if e.key.startswith(key)]
+    matches = cache.show(key)
     if len(matches) != 1:
         found = "no entry" if not matches else f"{len(matches)} entries"
         raise ConfigError(f"{found} in the cache at {cache.location} with a key starting '{key}'")
-    manifest = cache.show(matches[0])
+    manifest = matches[0]
     if as_json:
         emit_json(manifest)
         return
@@ -188,8 +193,7 @@ def cache_clean(
 ) -> None:
     """Remove everything: entries, blobs, counters and last-run records."""
     cache = _cache(cache_dir, config, cache_url)
-    before = cache.size()
-    _maintenance("clean", cache, cache.clear(), as_json, before)
+    _maintenance("clean", cache, lambda: cache.clear(), as_json)
 
 
 @cache_app.command("prune")
@@ -216,8 +220,7 @@ def cache_prune(
     max_bytes = parse_size(max_size) if max_size is not None else None
     age = parse_age(older_than) if older_than is not None else None
     cache = _cache(cache_dir, config, cache_url)
-    before = cache.size()
-    _maintenance("prune", cache, cache.prune(max_bytes=max_bytes, older_than=age), as_json, before)
+    _maintenance("prune", cache, lambda: cache.prune(max_bytes=max_bytes, older_than=age), as_json)
 
 
 @cache_app.command("gc")
@@ -234,8 +237,7 @@ def cache_gc(
     """Remove blobs that no entry references."""
     seconds = parse_age(grace)
     cache = _cache(cache_dir, config, cache_url)
-    before = cache.size()
-    _maintenance("gc", cache, cache.gc(grace=seconds), as_json, before)
+    _maintenance("gc", cache, lambda: cache.gc(grace=seconds), as_json)
 
 
 @cache_app.command("verify")
@@ -251,5 +253,4 @@ def cache_verify(
 ) -> None:
     """Re-hash every blob; corrupt blobs and the entries using them are removed (misses)."""
     cache = _cache(cache_dir, config, cache_url, repair=repair)
-    before = cache.size()
-    _maintenance("verify", cache, cache.verify(repair=repair), as_json, before)
+    _maintenance("verify", cache, lambda: cache.verify(repair=repair), as_json)

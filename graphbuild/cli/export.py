@@ -34,7 +34,6 @@ from graphbuild.cli.output import emit_json, make_console
 from graphbuild.cli.progress import Progress
 from graphbuild.cli.status import show_status
 from graphbuild.errors import ConfigError, StageError
-from graphbuild.output.placement import json_safe
 
 if TYPE_CHECKING:
     from graphbuild.engine.pipeline import Pipeline
@@ -131,6 +130,7 @@ def export(
         show_status(cfg, cache, as_json)
         return
     from graphbuild.api import export_with_pipeline
+    from graphbuild.output.placement import json_safe
 
     console = make_console()
     progress = Progress(console, quiet=quiet or as_json)
