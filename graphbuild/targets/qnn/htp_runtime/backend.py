@@ -1,0 +1,159 @@
+"""Is QNN's HTP backend usable here (and if not, why), which versions prepare graphs, and the
+HTP architecture and SoC model a graph is prepared for."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from graphbuild.errors import ConfigError
+from graphbuild.targets.qnn.htp_runtime.errors import HtpUnavailableError
+
+__all__ = [
+    "INSTALL",
+    "QNN_EP",
+    "SOC_MODELS",
+    "Availability",
+    "HtpTarget",
+    "availability",
+    "backend_versions",
+    "qnn_devices",
+    "require_backend",
+]
+
+QNN_EP = "QNNExecutionProvider"
+INSTALL = (
+    "install the htp extra: pip install 'graphbuild[htp]' (onnxruntime-qnn 2.7, which ships "
+    "QNN's HTP backend for Linux x86_64 and Windows on ARM64 and needs onnxruntime >= 1.24.2)"
+)
+
+#: The SoC model each HTP architecture is prepared for by default (QNN's SoC ids: SM8350,
+#: SM8450, SM8550, SM8650, SM8750, SM8850). Without a SoC model some graphs fail to finalize.
+SOC_MODELS: Mapping[str, str] = {
+    "68": "30",
+    "69": "36",
+    "73": "43",
+    "75": "57",
+    "79": "69",
+    "81": "87",
+}
+
+#: QNN data types that are floating point (Qnn_DataType_t: FLOAT_16, FLOAT_32, FLOAT_64)
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether QNN's HTP backend can run here; ``reason`` says why not (and what to do)."""
+
+    available: bool
+    reason: str = ""
+
+
+_register_lock = threading.Lock()
+
+
+@cache
+def availability() -> Availability:
+    """Import onnxruntime-qnn and register its execution provider (once per process)."""
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:  # pragma: no cover - onnxruntime is a dependency
+        return Availability(False, f"onnxruntime does not import ({exc}); {INSTALL}")
+    try:
+        import onnxruntime_qnn
+    except ImportError as exc:
+        where = f"{sys.platform}/{platform.machine()}"
+        return Availability(
+            False, f"onnxruntime-qnn is not installed ({exc}) on {where}; {INSTALL}"
+        )
+    if not hasattr(ort, "register_execution_provider_library"):
+        return Availability(
+            False,
+            f"onnxruntime {ort.__version__} has no plugin execution providers; {INSTALL}",
+        )
+    htp = Path(onnxruntime_qnn.get_qnn_htp_path())
+    if not htp.is_file():
+        return Availability(
+            False,
+            f"onnxruntime-qnn {onnxruntime_qnn.__version__} has no HTP backend for "
+            f"{sys.platform}/{platform.machine()} ({htp.name} missing); {INSTALL}",
+        )
+    with _register_lock:
+        try:
+            if not qnn_devices(ort):
+                ort.register_execution_provider_library(QNN_EP, onnxruntime_qnn.get_library_path())
+        except Exception as exc:  # onnxruntime raises its own Fail/RuntimeError types
+            return Availability(False, f"onnxruntime could not load QNN's provider: {exc}")
+        if not qnn_devices(ort):
+            return Availability(False, f"onnxruntime-qnn registered no {QNN_EP} device here")
+    return Availability(True)
+
+
+def qnn_devices(ort: Any) -> list[Any]:
+    return [d for d in ort.get_ep_devices() if d.ep_name == QNN_EP]
+
+
+def require_backend() -> None:
+    """Raise :class:`HtpUnavailableError` (with the reason) where the backend is unusable."""
+    found = availability()
+    if not found.available:
+        raise HtpUnavailableError(f"QNN's HTP backend is not available: {found.reason}")
+
+
+@cache
+def backend_versions() -> dict[str, str]:
+    """What prepares and runs an HTP graph here: onnxruntime, onnxruntime-qnn and the QNN SDK
+    its backend was built from. A stage that runs the backend keys on these."""
+    require_backend()
+    import onnxruntime as ort
+    import onnxruntime_qnn
+
+    info = getattr(onnxruntime_qnn, "build_and_package_info", None)
+    return {
+        "onnxruntime": ort.__version__,
+        "onnxruntime_qnn": onnxruntime_qnn.__version__,
+        "qnn_sdk": str(getattr(info, "qnn_version", "unknown")),
+    }
+
+
+@dataclass(frozen=True)
+class HtpTarget:
+    """An HTP architecture (``"81"`` for v81) and the SoC model QNN prepares graphs for."""
+
+    htp_arch: str
+    soc_model: str
+
+    @classmethod
+    def of(cls, htp_arch: str | int, soc_model: str | int | None = None) -> HtpTarget:
+        """From ``81``, ``"81"`` or ``"v81"``; the SoC model defaults to the arch's
+        (:data:`SOC_MODELS`)."""
+        arch = str(htp_arch).strip().lower().removeprefix("v")
+        if arch not in SOC_MODELS:
+            raise ConfigError(
+                f"unknown HTP architecture {htp_arch!r}; supported: "
+                + ", ".join(f"v{a}" for a in SOC_MODELS)
+            )
+        soc = SOC_MODELS[arch] if soc_model is None else str(soc_model).strip()
+        if not soc.isdigit():
+            raise ConfigError(f"soc_model must be QNN's numeric SoC id, not {soc_model!r}")
+        return cls(arch, soc)
+
+    @property
+    def label(self) -> str:
+        """``v81-soc87``: a name for reports and file names."""
+        return f"v{self.htp_arch}-soc{self.soc_model}"
+
+    def provider_options(self) -> dict[str, str]:
+        import onnxruntime_qnn
+
+        return {
+            "backend_path": onnxruntime_qnn.get_qnn_htp_path(),
+            "htp_arch": self.htp_arch,
+            "soc_model": self.soc_model,
+        }
