@@ -127,7 +127,7 @@ def test_a_refused_model_carries_qnn_reasons_and_the_partition():
         hr.open_session(model, V81)
     refused = caught.value
     assert "fallback to CPU EP has been explicitly disabled" in refused.onnxruntime_message
-    assert refused.target == "v81-soc87"
+    assert refused.target == "v81 (SoC 87)"
     (cpu,) = refused.partition.cpu_nodes
     assert cpu.op_type == "DequantizeLinear"
     assert "standalone DQ op with per-channel quantization" in cpu.reason
@@ -156,7 +156,9 @@ def test_check_model_reports_a_refusal_with_numbers_from_the_fallback_session():
     assert doc["partition"]["cpu_nodes"][0]["reason"]
     assert doc["outputs"][0]["max_diff_steps"] is not None
     assert set(doc["versions"]) == {"onnxruntime", "onnxruntime_qnn", "qnn_sdk"}
-    assert doc["summary"].startswith("HTP v81-soc87: refused; 3/4 ONNX nodes on QNN, 1 on the CPU")
+    assert doc["summary"].startswith(
+        "QNN HTP v81 (SoC 87): refused; 3/4 ONNX nodes on QNN, 1 on the CPU"
+    )
 
 
 def test_without_onnxruntime_qnn_the_reason_says_what_to_install(monkeypatch):

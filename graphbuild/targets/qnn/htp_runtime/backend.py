@@ -1,19 +1,18 @@
 """Is QNN's HTP backend usable here (and if not, why), which versions prepare graphs, and the
-HTP architecture and SoC model a graph is prepared for."""
+execution provider's options for an HTP architecture and SoC model."""
 
 from __future__ import annotations
 
 import platform
 import sys
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from graphbuild.errors import ConfigError
 from graphbuild.targets.qnn.htp_runtime.errors import HtpUnavailableError
+from graphbuild.targets.qnn.htp_targets import SOC_MODELS, HtpTarget
 
 __all__ = [
     "INSTALL",
@@ -23,6 +22,7 @@ __all__ = [
     "HtpTarget",
     "availability",
     "backend_versions",
+    "ep_options_for",
     "qnn_devices",
     "require_backend",
 ]
@@ -32,19 +32,6 @@ INSTALL = (
     "install the htp extra: pip install 'graphbuild[htp]' (onnxruntime-qnn 2.7, which ships "
     "QNN's HTP backend for Linux x86_64 and Windows on ARM64 and needs onnxruntime >= 1.24.2)"
 )
-
-#: The SoC model each HTP architecture is prepared for by default (QNN's SoC ids: SM8350,
-#: SM8450, SM8550, SM8650, SM8750, SM8850). Without a SoC model some graphs fail to finalize.
-SOC_MODELS: Mapping[str, str] = {
-    "68": "30",
-    "69": "36",
-    "73": "43",
-    "75": "57",
-    "79": "69",
-    "81": "87",
-}
-
-#: QNN data types that are floating point (Qnn_DataType_t: FLOAT_16, FLOAT_32, FLOAT_64)
 
 
 @dataclass(frozen=True)
@@ -122,38 +109,12 @@ def backend_versions() -> dict[str, str]:
     }
 
 
-@dataclass(frozen=True)
-class HtpTarget:
-    """An HTP architecture (``"81"`` for v81) and the SoC model QNN prepares graphs for."""
+def ep_options_for(target: HtpTarget) -> dict[str, str]:
+    """QNN EP's options for an HTP session on ``target``."""
+    import onnxruntime_qnn
 
-    htp_arch: str
-    soc_model: str
-
-    @classmethod
-    def of(cls, htp_arch: str | int, soc_model: str | int | None = None) -> HtpTarget:
-        """From ``81``, ``"81"`` or ``"v81"``; the SoC model defaults to the arch's
-        (:data:`SOC_MODELS`)."""
-        arch = str(htp_arch).strip().lower().removeprefix("v")
-        if arch not in SOC_MODELS:
-            raise ConfigError(
-                f"unknown HTP architecture {htp_arch!r}; supported: "
-                + ", ".join(f"v{a}" for a in SOC_MODELS)
-            )
-        soc = SOC_MODELS[arch] if soc_model is None else str(soc_model).strip()
-        if not soc.isdigit():
-            raise ConfigError(f"soc_model must be QNN's numeric SoC id, not {soc_model!r}")
-        return cls(arch, soc)
-
-    @property
-    def label(self) -> str:
-        """``v81-soc87``: a name for reports and file names."""
-        return f"v{self.htp_arch}-soc{self.soc_model}"
-
-    def provider_options(self) -> dict[str, str]:
-        import onnxruntime_qnn
-
-        return {
-            "backend_path": onnxruntime_qnn.get_qnn_htp_path(),
-            "htp_arch": self.htp_arch,
-            "soc_model": self.soc_model,
-        }
+    return {
+        "backend_path": onnxruntime_qnn.get_qnn_htp_path(),
+        "htp_arch": target.htp_arch,
+        "soc_model": target.soc_model,
+    }

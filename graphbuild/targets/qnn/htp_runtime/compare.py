@@ -172,7 +172,7 @@ class HtpCheck:
     versions: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
-        head = f"HTP {self.target.label}: " + ("compiled" if self.compiled else "refused")
+        head = f"QNN HTP {self.target}: " + ("compiled" if self.compiled else "refused")
         parts = [head]
         if self.partition is not None:
             parts.append(self.partition.summary())

@@ -15,7 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from graphbuild.targets.qnn.htp_runtime.backend import HtpTarget, qnn_devices, require_backend
+from graphbuild.targets.qnn.htp_runtime.backend import (
+    HtpTarget,
+    ep_options_for,
+    qnn_devices,
+    require_backend,
+)
 from graphbuild.targets.qnn.htp_runtime.errors import HtpRefusedError
 from graphbuild.targets.qnn.htp_runtime.partition import (
     PartitionReport,
@@ -94,7 +99,7 @@ def _session_options(
     options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     for key, value in (session_config or {}).items():
         options.add_session_config_entry(key, str(value))
-    ep_options = target.provider_options()
+    ep_options = ep_options_for(target)
     # graph inputs' Q and outputs' DQ on QNN, as without fallback, so the partition with
     # fallback shows only what QNN could not take
     ep_options["offload_graph_io_quantization"] = "0"
@@ -170,4 +175,4 @@ def open_session(
         )
         if diagnosis is None:
             messages = list(dict.fromkeys([*messages, *error_lines(verbose_log)]))
-    raise HtpRefusedError(str(error), target.label, messages, diagnosis)
+    raise HtpRefusedError(str(error), str(target), messages, diagnosis)
