@@ -9,13 +9,15 @@ This module is the one place graphbuild talks to it:
   :func:`backend_versions`: what a stage that runs it keys on;
 - :class:`HtpTarget`: an HTP architecture (``htp_arch``) and SoC model (``soc_model``);
 - :func:`open_session`: an HTP session for a model, CPU fallback disabled unless asked; QNN's
-  refusal is an :class:`~graphbuild.errors.HtpRefusedError` carrying QNN's own messages and,
+  refusal is an :class:`HtpRefusedError` carrying QNN's own messages and,
   where a session with fallback builds, the partition;
 - :class:`PartitionReport`: ONNX nodes QNN took / all, the nodes left on the CPU with QNN's
   reason, and every op QNN received with a float tensor (from QNN's own JSON graph);
 - :func:`compare_with_cpu`: per output, max |HTP - ORT CPU| in output quantization steps and
   SQNR of each against a float reference;
-- :func:`check_model`: all of the above for one model, as one JSON-able report.
+- :func:`check_model`: all of the above for one model, as one JSON-able report;
+- :func:`prepare_context`: the model prepared for one target as a deployable context (the
+  EPContext ONNX model and the QNN context binary beside it).
 
 ORT's CPU run is at ``ORT_ENABLE_BASIC``: at its default level onnxruntime's QDQ fusions
 mis-type some w8a8 models ("output_dtype INT8 does not match y_zero_point type UINT8").
@@ -41,6 +43,11 @@ from graphbuild.targets.qnn.htp_runtime.compare import (
     output_steps,
     run_cpu,
 )
+from graphbuild.targets.qnn.htp_runtime.context import (
+    PreparedContext,
+    context_binaries,
+    prepare_context,
+)
 from graphbuild.targets.qnn.htp_runtime.errors import (
     HtpError,
     HtpRefusedError,
@@ -65,12 +72,15 @@ __all__ = [
     "ModelSource",
     "OutputComparison",
     "PartitionReport",
+    "PreparedContext",
     "availability",
     "backend_versions",
     "check_model",
+    "context_binaries",
     "compare_with_cpu",
     "open_session",
     "output_steps",
+    "prepare_context",
     "require_backend",
     "run_cpu",
 ]

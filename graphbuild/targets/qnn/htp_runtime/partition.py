@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,21 @@ class PartitionReport:
         if self.cpu_nodes:
             line += f", {len(self.cpu_nodes)} on the CPU"
         return line + f", {len(self.float_ops)} QNN ops float"
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> PartitionReport:
+        """The inverse of :meth:`to_json` (a report read back from the cache)."""
+        return cls(
+            total_nodes=int(doc["total_nodes"]),
+            qnn_nodes=int(doc["qnn_nodes"]),
+            cpu_nodes=tuple(CpuNode(**n) for n in doc.get("cpu_nodes", ())),
+            qnn_ops=int(doc.get("qnn_ops", 0)),
+            float_ops=tuple(
+                FloatOp(o["name"], o["op_type"], tuple(o["float_tensors"]), tuple(o["dtypes"]))
+                for o in doc.get("float_ops", ())
+            ),
+            qnn_graphs=int(doc.get("qnn_graphs", 0)),
+        )
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
