@@ -14,7 +14,8 @@ This module is the one place graphbuild talks to it:
 - :class:`PartitionReport`: ONNX nodes QNN took / all, the nodes left on the CPU with QNN's
   reason, and every op QNN received with a float tensor (from QNN's own JSON graph);
 - :func:`compare_with_cpu`: per output, max |HTP - ORT CPU| in output quantization steps and
-  SQNR of each against a float reference;
+  SQNR of each against a float reference; :func:`forced_comparison` the same op by op, every
+  quantized activation forced to the CPU's value;
 - :func:`check_model`: all of the above for one model, as one JSON-able report;
 - :func:`prepare_context`: the model prepared for one target as a deployable context (the
   EPContext ONNX model and the QNN context binary beside it).
@@ -35,11 +36,11 @@ from graphbuild.targets.qnn.htp_runtime.backend import (
     backend_versions,
     require_backend,
 )
+from graphbuild.targets.qnn.htp_runtime.check import HtpCheck, check_model
 from graphbuild.targets.qnn.htp_runtime.compare import (
-    HtpCheck,
     OutputComparison,
-    check_model,
     compare_with_cpu,
+    grid_steps,
     output_steps,
     run_cpu,
 )
@@ -53,6 +54,7 @@ from graphbuild.targets.qnn.htp_runtime.errors import (
     HtpRefusedError,
     HtpUnavailableError,
 )
+from graphbuild.targets.qnn.htp_runtime.forced import ForcedComparison, forced_comparison
 from graphbuild.targets.qnn.htp_runtime.partition import CpuNode, FloatOp, PartitionReport
 from graphbuild.targets.qnn.htp_runtime.session import HtpSession, ModelSource, open_session
 
@@ -63,6 +65,7 @@ __all__ = [
     "Availability",
     "CpuNode",
     "FloatOp",
+    "ForcedComparison",
     "HtpCheck",
     "HtpError",
     "HtpRefusedError",
@@ -77,6 +80,8 @@ __all__ = [
     "backend_versions",
     "check_model",
     "context_binaries",
+    "forced_comparison",
+    "grid_steps",
     "compare_with_cpu",
     "open_session",
     "output_steps",

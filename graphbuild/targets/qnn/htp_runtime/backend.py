@@ -11,6 +11,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from graphbuild.targets.qnn.htp_runtime.capture import captured_output
 from graphbuild.targets.qnn.htp_runtime.errors import HtpUnavailableError
 from graphbuild.targets.qnn.htp_targets import SOC_MODELS, HtpTarget
 
@@ -71,7 +72,7 @@ def availability() -> Availability:
             f"onnxruntime-qnn {onnxruntime_qnn.__version__} has no HTP backend for "
             f"{sys.platform}/{platform.machine()} ({htp.name} missing); {INSTALL}",
         )
-    with _register_lock:
+    with _register_lock, captured_output():
         try:
             if not qnn_devices(ort):
                 ort.register_execution_provider_library(QNN_EP, onnxruntime_qnn.get_library_path())

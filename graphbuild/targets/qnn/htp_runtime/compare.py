@@ -1,5 +1,5 @@
-"""The HTP's numbers against onnxruntime's CPU on the same model, and the whole check of one
-model for one target (compile with no CPU fallback, partition, numbers) as one report.
+"""The HTP's numbers against onnxruntime's CPU on the same model, per output: the largest
+difference in the output's quantization steps, and the SQNR of each against a float reference.
 
 ORT's CPU run is at ``ORT_ENABLE_BASIC``: at its default level onnxruntime's QDQ fusions
 mis-type some w8a8 models ("output_dtype INT8 does not match y_zero_point type UINT8")."""
@@ -9,24 +9,21 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import onnx
 
-from graphbuild.targets.qnn.htp_runtime.backend import HtpTarget, backend_versions, require_backend
-from graphbuild.targets.qnn.htp_runtime.errors import HtpRefusedError
-from graphbuild.targets.qnn.htp_runtime.partition import PartitionReport
-from graphbuild.targets.qnn.htp_runtime.session import HtpSession, ModelSource, open_session
+from graphbuild.targets.qnn.htp_runtime.session import HtpSession, ModelSource
 
 __all__ = [
-    "HtpCheck",
     "OutputComparison",
-    "check_model",
     "compare_with_cpu",
+    "grid_steps",
     "output_steps",
     "run_cpu",
+    "scalar_constants",
 ]
 
 
@@ -34,8 +31,11 @@ __all__ = [
 class OutputComparison:
     """One output: HTP against ORT CPU on the same inputs, and each against a float reference.
 
-    ``max_diff_steps`` is max |HTP - CPU| over the output's quantization step (None where the
-    output has no per-tensor encoding); the SQNRs are None without a reference."""
+    ``max_diff_steps`` is max |HTP - CPU| in the output's quantization steps (None where the
+    output has no per-tensor encoding); ``sqnr_htp_db`` and ``sqnr_cpu_db`` are against the
+    float reference (None without one), ``sqnr_htp_vs_cpu_db`` the HTP's against the CPU's.
+    ``forced_max_diff_steps``: the same with every quantized activation forced to the CPU's
+    value (:mod:`.forced`), where that ran."""
 
     name: str
     max_abs_diff: float
@@ -43,6 +43,8 @@ class OutputComparison:
     max_diff_steps: float | None
     sqnr_htp_db: float | None = None
     sqnr_cpu_db: float | None = None
+    sqnr_htp_vs_cpu_db: float | None = None
+    forced_max_diff_steps: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: _finite(v) for k, v in asdict(self).items()}
@@ -77,19 +79,7 @@ def output_steps(model: onnx.ModelProto) -> dict[str, float | None]:
     """The quantization step of each graph output of a QDQ model: the scale of the
     per-tensor DequantizeLinear that produces it (through data-movement ops), else None."""
     producer = {o: n for n in model.graph.node for o in n.output}
-    scalars = {
-        i.name: onnx.numpy_helper.to_array(i)
-        for i in model.graph.initializer
-        if len(i.dims) == 0 or (len(i.dims) == 1 and i.dims[0] == 1)
-    }
-    for node in model.graph.node:  # Constant nodes holding a scale
-        if node.op_type == "Constant" and node.attribute:
-            with contextlib.suppress(Exception):
-                value = onnx.numpy_helper.to_array(
-                    onnx.helper.get_attribute_value(node.attribute[0])
-                )
-                if value.size == 1:
-                    scalars[node.output[0]] = value
+    scalars = scalar_constants(model)
     steps: dict[str, float | None] = {}
     for out in model.graph.output:
         name, step, seen = out.name, None, set()
@@ -140,97 +130,40 @@ def compare_with_cpu(
                 name=name,
                 max_abs_diff=diff,
                 output_step=step,
-                max_diff_steps=diff / step if step else None,
+                max_diff_steps=grid_steps(h, c, step) if step else None,
                 sqnr_htp_db=sqnr_h,
                 sqnr_cpu_db=sqnr_c,
+                sqnr_htp_vs_cpu_db=sqnr_db(c.astype(np.float32), h),
             )
         )
     return results
 
 
-def _load_graph(model: ModelSource) -> onnx.ModelProto:
-    """The graph of ``model`` (its weights stay on disk)."""
-    if isinstance(model, bytes):
-        return onnx.load_from_string(model)
-    return onnx.load(os.fspath(model), load_external_data=False)
+def grid_steps(a: np.ndarray, b: np.ndarray, step: float) -> float:
+    """max |a - b| in steps of ``step``: exact integers where both lie on the grid (a
+    DequantizeLinear's outputs, up to float32 rounding), else the plain ratio."""
+    qa, qb = np.asarray(a, np.float64) / step, np.asarray(b, np.float64) / step
+    if qa.size == 0:
+        return 0.0
+    ra, rb = np.rint(qa), np.rint(qb)
+    if max(float(np.max(np.abs(qa - ra))), float(np.max(np.abs(qb - rb)))) < 0.05:
+        return float(np.max(np.abs(ra - rb)))
+    return float(np.max(np.abs(qa - qb)))
 
 
-# --------------------------------------------------------------------------- one check
-
-
-@dataclass
-class HtpCheck:
-    """The HTP check of one model for one target: did it compile with no CPU fallback, what
-    QNN took, and the numbers (from the fallback session where the strict one was refused)."""
-
-    target: HtpTarget
-    compiled: bool
-    partition: PartitionReport | None
-    outputs: list[OutputComparison] = field(default_factory=list)
-    refusal: str = ""
-    qnn_messages: list[str] = field(default_factory=list)
-    versions: dict[str, str] = field(default_factory=dict)
-
-    def summary(self) -> str:
-        head = f"QNN HTP {self.target}: " + ("compiled" if self.compiled else "refused")
-        parts = [head]
-        if self.partition is not None:
-            parts.append(self.partition.summary())
-        steps = [o.max_diff_steps for o in self.outputs if o.max_diff_steps is not None]
-        if steps:
-            parts.append(f"max {max(steps):.3g} output steps from ORT CPU")
-        return "; ".join(parts)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "htp_arch": self.target.htp_arch,
-            "soc_model": self.target.soc_model,
-            "compiled": self.compiled,
-            "refusal": self.refusal,
-            "qnn_messages": list(self.qnn_messages),
-            "partition": self.partition.to_json() if self.partition else None,
-            "outputs": [o.to_json() for o in self.outputs],
-            "versions": dict(self.versions),
-            "summary": self.summary(),
-        }
-
-
-def check_model(
-    model: ModelSource,
-    feeds: Mapping[str, np.ndarray],
-    target: HtpTarget,
-    *,
-    cpu_model: ModelSource | None = None,
-    steps: Mapping[str, float | None] | None = None,
-    reference: Mapping[str, np.ndarray] | Sequence[np.ndarray] | None = None,
-) -> HtpCheck:
-    """Compile ``model`` for ``target`` with CPU fallback disabled; report the partition and
-    compare with ORT CPU (on ``cpu_model``, default ``model``). A refused model is reported,
-    not raised: its numbers then come from a session with CPU fallback, where one builds."""
-    require_backend()
-    compiled, refusal, messages = True, "", []
-    try:
-        session = open_session(model, target)
-    except HtpRefusedError as refused:
-        compiled, refusal = False, refused.onnxruntime_message
-        messages = [m for m in refused.qnn_messages if m not in refusal]
-        try:
-            session = open_session(model, target, allow_cpu_fallback=True)
-        except HtpRefusedError:
-            session = None
-        if session is not None and refused.partition is not None:
-            session.partition = refused.partition  # with QNN's reasons for the CPU nodes
-    check = HtpCheck(
-        target,
-        compiled,
-        session.partition if session else None,
-        refusal=refusal,
-        qnn_messages=list(messages),
-        versions=backend_versions(),
-    )
-    if session is not None:
-        compared = cpu_model if cpu_model is not None else model
-        if steps is None:
-            steps = output_steps(_load_graph(compared))
-        check.outputs = compare_with_cpu(session, compared, feeds, steps=steps, reference=reference)
-    return check
+def scalar_constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The one-element initializers and Constant outputs of ``model``, by name."""
+    scalars = {
+        i.name: onnx.numpy_helper.to_array(i)
+        for i in model.graph.initializer
+        if len(i.dims) == 0 or (len(i.dims) == 1 and i.dims[0] == 1)
+    }
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute:
+            with contextlib.suppress(Exception):
+                value = onnx.numpy_helper.to_array(
+                    onnx.helper.get_attribute_value(node.attribute[0])
+                )
+                if value.size == 1:
+                    scalars[node.output[0]] = value
+    return scalars

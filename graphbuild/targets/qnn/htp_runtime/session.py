@@ -3,12 +3,9 @@ typed error carrying its own messages and the partition."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import tempfile
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,7 @@ from graphbuild.targets.qnn.htp_runtime.backend import (
     qnn_devices,
     require_backend,
 )
+from graphbuild.targets.qnn.htp_runtime.capture import captured_output
 from graphbuild.targets.qnn.htp_runtime.errors import HtpRefusedError
 from graphbuild.targets.qnn.htp_runtime.partition import (
     PartitionReport,
@@ -30,28 +28,6 @@ from graphbuild.targets.qnn.htp_runtime.partition import (
 )
 
 __all__ = ["HtpSession", "ModelSource", "open_session"]
-
-_stderr_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _captured_stderr() -> Iterator[list[str]]:
-    """Everything written to file descriptor 2 meanwhile (onnxruntime and QNN log there, from
-    C++), handed back in the yielded list when the block ends."""
-    got: list[str] = []
-    with _stderr_lock, tempfile.TemporaryFile(mode="w+b") as sink:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        try:
-            os.dup2(sink.fileno(), 2)
-            yield got
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            got.append(strip_ansi(sink.read().decode("utf-8", "replace")))
-
 
 ModelSource = str | os.PathLike | bytes
 
@@ -134,12 +110,12 @@ def _create(
             session_config=session_config,
         )
         session = error = None
-        with _captured_stderr() as captured:
+        with captured_output() as captured:
             try:
                 session = ort.InferenceSession(source, sess_options=options)
             except Exception as exc:  # onnxruntime's Fail / InvalidGraph / RuntimeException
                 error = exc
-        log = captured[0] if captured else ""
+        log = strip_ansi(captured[0]) if captured else ""
         partition = read_partition(session, log, json_dir) if session is not None else None
     return session, partition, log, error
 
