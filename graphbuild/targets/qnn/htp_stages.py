@@ -3,7 +3,7 @@
 ::
 
     bind ─┬─────────────────────────────► check_htp_<arch> ─┐      (onnx_qdq: the file itself)
-          └► [qdq_from_encodings] ────────►       ▲          ├► htp ─► coverage_on_htp
+          └► [qdq_from_encodings] ────────►       ▲          ├► htp_report ─► coverage_on_htp
     encodings ┘  (onnx: Q/DQ rebuilt      float_reference ───┘        (QNN's view in the
                   from the .encodings)                                 coverage report)
     context format:
@@ -324,7 +324,7 @@ def add_htp_stages(
                     reads=("samples", HTP_BACKEND),
                 ).depends_on(model, reference)
             )
-    report = p.register_stage(htp_report, "htp", reads=()).depends_on(*checks)
+    report = p.register_stage(htp_report, "htp_report", reads=()).depends_on(*checks)
     view = p.register_stage(
         coverage_on_htp, "coverage_on_htp", reads=("ctx.quantizer", "ctx.strict_coverage")
     ).depends_on(coverage, report)
