@@ -20,6 +20,7 @@ import graphbuild as gb
 from graphbuild.errors import ConfigError, CoverageError, StageError
 from graphbuild.onnx.bind import BoundModel
 from graphbuild.targets.qnn import htp_runtime as hr
+from tests.models import FakeQuantConvNet
 
 pytest.importorskip("onnxruntime_qnn", reason="the htp extra (onnxruntime-qnn) is not installed")
 if not hr.availability().available:
@@ -175,21 +176,34 @@ def test_the_context_format_writes_the_epcontext_model_and_its_binary(tmp_path):
 
 
 def test_a_scales_only_retune_reprepares_only_the_context(tmp_path):
+    """A model with its own quantizers: a scale buffer retuned re-binds and re-prepares the
+    context; nothing structural reruns."""
+    torch.manual_seed(0)
+    model, sample = FakeQuantConvNet().eval(), (torch.randn(1, 3, 16, 16),)
     cache = gb.Cache(tmp_path / "cache")
-    model, sample = mlp()
-    first = export(tmp_path / "out", cache, "context", model=(model, sample))
-    assert ran(export(tmp_path / "out", cache, "context", model=(model, sample))) == set()
-    wider = [sample, (sample[0] * 3,)]  # recalibration: other ranges, same structure
-    again = ran(
-        export(tmp_path / "out", cache, "context", model=(model, sample), calibration=wider)
-    )
-    assert {"prepare_context_v81", "context_v81", "check_htp_v81", "bind"} <= again
-    assert not again & {"capture", "to_onnx", "marker_graph", "lower_markers"}
-    assert first.files["context_v81_bin"].exists()
+
+    def context_export():
+        return gb.export(model, sample, tmp_path / "out", "fq", format="context", cache=cache)
+
+    first = context_export()
+    assert ran(context_export()) == set()
+    with torch.no_grad():
+        model.a1_scale.mul_(1.1)
+    again = context_export()
+    assert {"bind", "prepare_context_v81", "context_v81", "check_htp_v81"} <= ran(again)
+    assert not ran(again) & {"capture", "normalize", "marker_graph", "to_onnx", "lower_markers"}
+    assert again.files["context_v81_bin"].read_bytes() != b""
+    assert first.report.extra["htp"]["checks"][0]["compiled"]
 
 
-def test_contexts_for_several_archs_in_one_export(tmp_path):
-    art = export(tmp_path / "out", False, "context", htp_arch=["v79", "v81"])
+def test_an_architecture_added_prepares_only_its_own_context(tmp_path):
+    cache = gb.Cache(tmp_path / "cache")
+    export(tmp_path / "out", cache, "context")
+    art = export(tmp_path / "out", cache, "context", htp_arch=["v79", "v81"])
+    assert ran(art) == {"prepare_context_v79", "context_v79", "check_htp_v79"} | {
+        "htp_report",
+        "coverage_on_htp",
+    }
     assert {"context_v79", "context_v79_bin", "context_v81", "context_v81_bin"} <= set(art.files)
     archs = [c["htp_arch"] for c in art.report.extra["htp"]["checks"]]
     assert archs == ["79", "81"]
