@@ -248,3 +248,18 @@ def test_the_cli_prints_one_htp_line():
     summary = "QNN HTP v81 (SoC 87): compiled; 13/13 ONNX nodes on QNN, 0 QNN ops float"
     lines = _report_lines({"htp": {"checks": [], "summary": summary}})
     assert lines == [f"htp        {summary}"]
+
+
+def test_without_onnxruntime_qnn_the_check_fails_saying_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime_qnn", None)  # its import fails
+    hr.availability.cache_clear()
+    hr.backend_versions.cache_clear()
+    try:
+        with pytest.raises(StageError) as caught:
+            export(tmp_path / "out", False)
+        assert caught.value.stage == "check_htp_v81"
+        assert "pip install 'graphbuild[htp]'" in str(caught.value)
+        assert "Linux x86_64" in str(caught.value)
+    finally:
+        hr.availability.cache_clear()
+        hr.backend_versions.cache_clear()
