@@ -136,12 +136,18 @@ def prepare_context(
 
     (bound,) = inputs
     target = HtpTarget(htp_arch, soc_model)
-    model_file, _ = context_file_names(context["model_name"], target)
+    model_file, binary_file = context_file_names(context["model_name"], target)
     with tempfile.TemporaryDirectory(prefix="graphbuild-context-") as tmp:
         source = _write_model(bound, Path(tmp))
         out = Path(tmp) / "context"
         out.mkdir()
         prepared = prepare(source, target, out / model_file)
+        if [b.name for b in prepared.binaries] != [binary_file]:
+            raise ExportError(
+                f"QNN's execution provider wrote context binaries "
+                f"{[b.name for b in prepared.binaries]}, not the one file {binary_file} "
+                "graphbuild places (a newer onnxruntime-qnn naming them otherwise?)"
+            )
         return (
             FileArtifact.read(prepared.model),
             [FileArtifact.read(b) for b in prepared.binaries],

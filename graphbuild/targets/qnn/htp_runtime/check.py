@@ -47,7 +47,8 @@ class HtpCheck:
             parts.append(self.partition.summary())
         steps = [o.max_diff_steps for o in self.outputs if o.max_diff_steps is not None]
         if steps:
-            parts.append(f"max {max(steps):.3g} output steps from ORT CPU")
+            where = "" if self.compiled else " (with CPU fallback)"
+            parts.append(f"max {max(steps):.3g} output steps from ORT CPU{where}")
         if self.forced is not None and not self.forced.error:
             parts.append(f"op by op at most {self.forced.max_steps:.3g} steps")
         return "; ".join(parts)

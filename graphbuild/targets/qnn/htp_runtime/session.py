@@ -133,8 +133,8 @@ def open_session(
     With CPU fallback disabled (the default) a model QNN does not take whole is refused:
     :class:`HtpRefusedError` then carries onnxruntime's message, QNN's error lines and, where a
     session with fallback builds, the partition with QNN's reason for each CPU node.
-    ``provider_options`` add QNN EP options (``ep.context_enable``...) and ``session_config``
-    session config entries."""
+    ``provider_options`` add QNN EP options (``htp_graph_finalization_optimization_mode``...)
+    and ``session_config`` session config entries (``ep.context_enable``...)."""
     require_backend()
     extra = {"provider_options": provider_options, "session_config": session_config}
     session, partition, log, error = _create(
