@@ -523,7 +523,10 @@ def _bad_project(directory: Path, text: str) -> Path:
         ('model = "cli_models.py:raises"\n', "raised RuntimeError: weights not found at /nowhere"),
         ('model = "cli_models.py:boom"\n[options]\nopsett = 1\n', "did you mean 'opset'"),
         ('model = "cli_models.py:boom"\n[options]\nopset = "17"\n', "must be an integer, got '17'"),
-        ('model = "cli_models.py:boom"\nformat = "onnx_xyz"\n', "known: qnn/context, qnn/onnx, qnn/onnx_qdq"),
+        (
+            'model = "cli_models.py:boom"\nformat = "onnx_xyz"\n',
+            "known: qnn/context, qnn/onnx, qnn/onnx_qdq",
+        ),
     ],
 )
 def test_bad_configuration_is_exit_2_with_a_message_not_a_traceback(

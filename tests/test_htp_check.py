@@ -212,6 +212,7 @@ def test_an_architecture_added_prepares_only_its_own_context(tmp_path):
 # ------------------------------------------------------------------ the command line
 
 
+@pytest.mark.slow  # a fresh process; the capture itself: test_htp_runtime.py
 def test_cli_check_htp_json_is_one_json_document_with_the_htp_report(tmp_path):
     """QNN's libraries print to the process's stdout when they load: none of it may reach
     ``--json``'s document."""

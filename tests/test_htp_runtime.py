@@ -175,3 +175,22 @@ def test_without_onnxruntime_qnn_the_reason_says_what_to_install(monkeypatch):
     finally:
         hr.availability.cache_clear()
         hr.backend_versions.cache_clear()
+
+
+def test_what_qnn_prints_from_c_is_captured_and_kept_off_stdout(capfd):
+    """QNN's libraries print a line to the process's stdout when they load (``--json`` must
+    stay one JSON document), and onnxruntime logs to stderr from C++."""
+    import ctypes
+    import os
+
+    from graphbuild.targets.qnn.htp_runtime.capture import captured_output
+
+    libc = ctypes.CDLL(None)
+    with captured_output() as got:
+        libc.printf(b"printed from C\n")  # buffered in C's stdio until flushed
+        os.write(2, b"logged to stderr\n")
+    out, err = capfd.readouterr()
+    assert "printed from C" not in out and "logged to stderr" not in err
+    assert "printed from C" in got[0] and "logged to stderr" in got[0]
+    print("after")
+    assert capfd.readouterr().out == "after\n"
