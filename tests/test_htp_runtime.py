@@ -187,7 +187,7 @@ def test_what_qnn_prints_from_c_is_captured_and_kept_off_stdout(capfd):
 
     libc = ctypes.CDLL(None)
     with captured_output() as got:
-        libc.printf(b"printed from C\n")  # buffered in C's stdio until flushed
+        libc.printf(b"printed from C\n")
         os.write(2, b"logged to stderr\n")
     out, err = capfd.readouterr()
     assert "printed from C" not in out and "logged to stderr" not in err
