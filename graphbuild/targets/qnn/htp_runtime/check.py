@@ -86,16 +86,15 @@ def check_model(
     require_backend()
     compiled, refusal, messages = True, "", []
     try:
-        session = open_session(model, target)
+        session = open_session(model, target, diagnose=False)
     except HtpRefusedError as refused:
         compiled, refusal = False, refused.onnxruntime_message
         messages = [m for m in refused.qnn_messages if m not in refusal]
-        try:
-            session = open_session(model, target, allow_cpu_fallback=True)
-        except HtpRefusedError:
+        try:  # what QNN takes, with its reasons for the rest, and the numbers of that
+            session = open_session(model, target, allow_cpu_fallback=True, reasons=True)
+        except HtpRefusedError as again:
             session = None
-        if session is not None and refused.partition is not None:
-            session.partition = refused.partition  # with QNN's reasons for the CPU nodes
+            messages += [m for m in again.qnn_messages if m not in messages]
     check = HtpCheck(
         target,
         compiled,

@@ -125,26 +125,30 @@ def open_session(
     target: HtpTarget,
     *,
     allow_cpu_fallback: bool = False,
+    reasons: bool = False,
+    diagnose: bool = True,
     provider_options: Mapping[str, str] | None = None,
     session_config: Mapping[str, str] | None = None,
 ) -> HtpSession:
     """An HTP session for ``model`` (a path, or the bytes of a model without external data).
 
     With CPU fallback disabled (the default) a model QNN does not take whole is refused:
-    :class:`HtpRefusedError` then carries onnxruntime's message, QNN's error lines and, where a
-    session with fallback builds, the partition with QNN's reason for each CPU node.
-    ``provider_options`` add QNN EP options (``htp_graph_finalization_optimization_mode``...)
-    and ``session_config`` session config entries (``ep.context_enable``...)."""
+    :class:`HtpRefusedError` then carries onnxruntime's message, QNN's error lines and (with
+    ``diagnose``, from a second session with fallback) the partition with QNN's reason for
+    each CPU node. With fallback allowed, ``reasons`` reads those reasons into the session's
+    partition (from QNN EP's verbose log). ``provider_options`` add QNN EP options
+    (``htp_graph_finalization_optimization_mode``...) and ``session_config`` session config
+    entries (``ep.context_enable``...)."""
     require_backend()
     extra = {"provider_options": provider_options, "session_config": session_config}
     session, partition, log, error = _create(
-        model, target, cpu_fallback=allow_cpu_fallback, **extra
+        model, target, cpu_fallback=allow_cpu_fallback, verbose=reasons, **extra
     )
     if session is not None and partition is not None:
         return HtpSession(session, target, partition, allow_cpu_fallback)
     messages = error_lines(log)
     diagnosis = None
-    if not allow_cpu_fallback:
+    if not allow_cpu_fallback and diagnose:
         # what QNN would take, and its reason for each node it would not
         _, diagnosis, verbose_log, _ = _create(
             model, target, cpu_fallback=True, verbose=True, **extra
