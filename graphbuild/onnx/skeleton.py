@@ -23,7 +23,7 @@ from graphbuild.compat import onnx_registry_reused
 from graphbuild.errors import ExportError, SkeletonValueError
 from graphbuild.frontend import markers
 from graphbuild.onnx.naming import fresh_name
-from graphbuild.onnx.passes import fold_constant_casts, split_sequences
+from graphbuild.onnx.passes import drop_zero_biases, fold_constant_casts, split_sequences
 from graphbuild.onnx.rmsnorm import name_rms_norms, translation_table
 
 STATE_LOCATION = "graphbuild:state"
@@ -60,6 +60,7 @@ def export_skeleton(
     name_rms_norms(model.graph)
     split_sequences(model.graph)
     fold_constant_casts(model.graph)
+    drop_zero_biases(model.graph)
     state, constants = program_tensors(program)
     check_initializers(model.graph, state, constants)
     _reference_state(model.graph, state)

@@ -35,7 +35,7 @@ from torch.fx import Graph, Node
 if TYPE_CHECKING:
     from graphbuild.targets.qnn.rewrite import _Emitter
 
-__all__ = ["NODE_REWRITES", "fuse_patterns"]
+__all__ = ["NODE_REWRITES", "drop_dead_nodes", "fuse_patterns"]
 
 aten = torch.ops.aten
 
@@ -51,6 +51,14 @@ def fuse_patterns(graph: Graph, emit: _Emitter) -> None:
     """The multi-node rewrites (GELU with tanh, RMSNorm), in place."""
     _fuse_gelu_tanh(graph, emit)
     _fuse_rms_norm(graph, emit)
+
+
+def drop_dead_nodes(graph: Graph) -> None:
+    """Erase the pure ops the rewrites left without readers (an empty slice, the ``expand``
+    of a dropped bias): the exporter would still write them."""
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and not node.users and not node.is_impure():
+            graph.erase_node(node)
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -144,8 +144,10 @@ class _Forms:
             enc = self._encoding(node.inputs[0])
             if enc is None or enc.axis is not None or not _grid_kept(node):
                 continue
-            for out in node.outputs:
-                if out.dtype in FLOAT_TYPES and _has_float_readers(out):
+            for i, out in enumerate(node.outputs):
+                # an untyped output is the data input's type (TopK's second one: indices)
+                floating = out.dtype in FLOAT_TYPES if out.dtype is not None else i == 0
+                if floating and _has_float_readers(out):
                     self._quantize_after(node, out, enc.scale, enc.zero_point)
 
     def _quantize_after(
@@ -199,6 +201,8 @@ class _Forms:
             enc = self._encoding(b)
             if enc is None or enc.axis is not None or enc.zero_point is None:
                 continue
+            if _feeds_second_matmul_inputs(enc.zero_point):
+                continue  # already signed for its MatMuls
             dq = b.producer()
             quantize = dq.inputs[0].producer() if dq is not None and dq.inputs[0] else None
             zero = enc.zero_point
@@ -206,8 +210,7 @@ class _Forms:
                 continue
             if not self._symmetric_signed(zero):
                 continue
-            signed = self._signed_twin(zero)
-            q, new_dq = self._pair(b, enc.scale, signed, b.name or "t")
+            q, new_dq = self._pair(b, enc.scale, self._signed_twin(zero), b.name or "t")
             self.graph.insert_before(node, [q, new_dq])
             node.replace_input_with(1, new_dq.outputs[0])
 
@@ -219,22 +222,25 @@ class _Forms:
                 name=self.namer.fresh(f"{key}_signed"), shape=zero.shape, type=zero.type
             )
             twin.const_value = _copy_tensor(zero.const_value, twin.name or "")
-            zero.graph.register_initializer(twin)
+            self.graph.register_initializer(twin)
             self.signed_zero_points[key] = twin
         return self.signed_zero_points[key]
 
     # -- 1. unsigned activations ------------------------------------------------------------
 
     def _unsigned_activations(self) -> None:
-        twins = {v.name for v in self.signed_zero_points.values()}
+        done: set[str] = set()
         for node in list(self.graph):
             if node.op_type != "QuantizeLinear" or node.domain != "" or len(node.inputs) < 3:
                 continue
             zero = node.inputs[2]
-            if zero is None or zero.name in twins or zero.dtype not in _SIGNED_TO_UNSIGNED:
+            if zero is None or zero.name in done or zero.dtype not in _SIGNED_TO_UNSIGNED:
                 continue
             if not zero.is_initializer() or self._is_parameter(zero, node):
                 continue
+            if zero.dtype == ir.DataType.INT16 and _feeds_second_matmul_inputs(zero):
+                continue
+            done.add(zero.name or "")
             self._to_unsigned(zero)
 
     def _to_unsigned(self, zero: ir.Value) -> None:
@@ -396,6 +402,16 @@ def _copy_tensor(tensor: ir.TensorProtocol | None, name: str) -> ir.TensorProtoc
     if tensor is None:
         return None
     return ir.Tensor(tensor.numpy().copy(), name=name)
+
+
+def _feeds_second_matmul_inputs(zero: ir.Value) -> bool:
+    """Whether every Q/DQ pair using ``zero`` feeds only second inputs of MatMuls (the signed
+    requantization of form 2, kept as it is)."""
+    pairs = [u.node for u in zero.uses() if u.node.op_type == "DequantizeLinear"]
+    readers = [u for dq in pairs for u in dq.outputs[0].uses()]
+    return bool(readers) and all(
+        u.node.op_type == "MatMul" and u.idx == 1 and u.node.domain == "" for u in readers
+    )
 
 
 def _has_float_readers(value: ir.Value) -> bool:

@@ -34,7 +34,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 
-from graphbuild.targets.qnn.htp_patterns import NODE_REWRITES, fuse_patterns
+from graphbuild.targets.qnn.htp_patterns import NODE_REWRITES, drop_dead_nodes, fuse_patterns
 
 __all__ = ["MASK_FILL", "rewrite_for_htp"]
 
@@ -95,6 +95,7 @@ def rewrite_for_htp(gm: GraphModule) -> GraphModule:
             )
             node.replace_all_uses_with(result)
             graph.erase_node(node)
+    drop_dead_nodes(graph)
     _lift_scalars(graph, emit)
     graph.lint()
     gm.recompile()
