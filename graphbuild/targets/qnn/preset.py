@@ -165,7 +165,13 @@ class _Annotator:
         axis = self._axis(tensor) if rule.per_channel else None
         if rule.per_channel and axis is None:
             return quantization_spec(rule.bits, symmetric=rule.symmetric)
-        return quantization_spec(rule.bits, symmetric=rule.symmetric, axis=axis, fixed=rule.fixed)
+        return quantization_spec(
+            rule.bits,
+            symmetric=rule.symmetric,
+            axis=axis,
+            fixed=rule.fixed,
+            min_scale=rule.min_scale,
+        )
 
     def _axis(self, tensor: str) -> int | None:
         """The output-channel axis of a weight in the op that reads it as one."""

@@ -33,7 +33,7 @@ model whose Q/DQ parameters hold data (a QDQ model rebuilt from an encodings fil
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -440,8 +440,3 @@ def _constant_node_data(value: ir.Value) -> np.ndarray | None:
         return None
     attr = node.attributes.get("value")
     return attr.as_tensor().numpy() if attr is not None else None
-
-
-def movement_ops() -> Mapping[str, None]:
-    """The op types :func:`apply_htp_forms` requantizes after, for reports."""
-    return dict.fromkeys(sorted(MOVEMENT_OPS))
