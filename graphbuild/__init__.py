@@ -26,6 +26,7 @@ __all__ = [
     "ExportArtifacts",
     "ExportError",
     "ExportRequest",
+    "GgufOptions",
     "GraphbuildError",
     "Pipeline",
     "PipelineRegistry",
@@ -56,6 +57,7 @@ _LAZY = {
     "build_default_registry": "targets.registry",
     "QnnOnnxOptions": "targets.qnn",
     "ExecuTorchOptions": "targets.executorch",
+    "GgufOptions": "targets.gguf",
 }
 
 

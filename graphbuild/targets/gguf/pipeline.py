@@ -1,0 +1,301 @@
+"""The GGUF pipeline: ``gguf/llama_cpp``, a ``.gguf`` file that llama.cpp loads and runs.
+
+::
+
+    plan ----------------+-------------------------+-> vocab ---+
+     |                   |                         |            v
+     +-> weight_digests -+-> pack -> report         +------> gguf_file -> [check_numerics]
+                         ^     |                                ^
+    capture -> normalize -> quant_map -> qparams   (the model's own quantizers only)
+                                 +------------------------------+ (pack's tensors)
+
+``plan`` reads the model's structure: its transformers config picks the architecture
+adapter, which names each parameter for llama.cpp and gives the hyperparameters.
+``weight_digests`` hashes exactly the tensors the file takes; ``pack`` turns them into
+blocks (with the model's own quantizers, read by the front end the QNN target uses: capture,
+normalize, quant map, qparams; or with a preset, which needs no trace at all). ``vocab``
+reads the tokenizer; ``gguf_file`` lays out header and tensors. A weights-only change
+reruns ``weight_digests`` and ``pack`` (which repacks only the tensors whose digest changed
+since its last call in the process) and the file, whose unchanged tensors the placement
+copies from the file it replaces; a tokenizer or metadata change reruns ``vocab`` or
+``gguf_file`` only, and every tensor is copied.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any
+
+from graphbuild.engine.codecs import roundtrip
+from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
+from graphbuild.errors import ConfigError
+from graphbuild.frontend.capture import capture
+from graphbuild.frontend.devices import host_state, model_tensors
+from graphbuild.frontend.programs import ProgramArtifact, strip_state
+from graphbuild.frontend.quantmap import QuantMap, QuantValues
+from graphbuild.targets.base import Request, coerce_options
+from graphbuild.targets.gguf import blocks, container
+from graphbuild.targets.gguf.adapters import find_adapter, find_config
+from graphbuild.targets.gguf.artifacts import GgufFile, PackedTensors
+from graphbuild.targets.gguf.options import FORMATS, GgufOptions
+
+#: ``general.quantization_version``: ggml's block layouts as of GGML_QNT_VERSION 2.
+QUANTIZATION_VERSION = 2
+
+# --------------------------------------------------------------------------- stages
+
+
+def plan(model: Any, samples: Any, context: Any) -> dict[str, Any]:
+    """What the file holds, from the model's structure: the architecture, its
+    hyperparameters, and each tensor's GGUF name, source parameter, shape and RoPE rows."""
+    from graphbuild.targets.gguf.tensors import plan_tensors
+
+    config, _ = find_config(model)
+    adapter = find_adapter(config, context["architecture"])
+    state = model_tensors(model)
+    parameters = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    tensors, left_out = plan_tensors(state, parameters, adapter, config)
+    return {
+        "architecture": adapter.name,
+        "hparams": [[k, t, v] for k, t, v in adapter.hparams(config)],
+        "tensors": tensors,
+        "left_out": left_out,
+        "vocab_size": int(config.vocab_size),
+        "bos_token_id": _token_id(getattr(config, "bos_token_id", None)),
+        "eos_token_id": _token_id(getattr(config, "eos_token_id", None)),
+        "tokenizer_pre": adapter.tokenizer_pre,
+        "output_fallback": list(adapter.output_fallback) if adapter.output_fallback else None,
+    }
+
+
+def _token_id(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Digests of exactly the tensors the file holds: ``pack`` keys on these, so a change to
+    anything else of the model (a quantizer's buffer) does not repack weights."""
+    from graphbuild.engine.fingerprint import tensor_digests
+
+    (planned,) = inputs
+    state = model_tensors(context.input)
+    names = sorted({e["source"] for e in planned["tensors"]})
+    digests = tensor_digests([state[n] for n in names], reuse=True)  # input.state's, this run
+    return {
+        n: f"{state[n].dtype}{list(state[n].shape)}:{d}"
+        for n, d in zip(names, digests, strict=True)
+    }
+
+
+def normalize(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """The front end's normalize: the marker graph (the model without its quantizers, for
+    the numerics reference), the quant map, and the values written into the graph."""
+    from graphbuild.frontend.normalize import fixed_values, normalize_program
+
+    (program,) = inputs
+    marker, qmap = normalize_program(program.program)
+    fixed = fixed_values(program.program, qmap)
+    return roundtrip(ProgramArtifact(strip_state(marker))), qmap.to_json(), fixed
+
+
+def quant_map(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """The quant map and the graph's own quantizer values, without the program."""
+    ((_, qmap, fixed),) = inputs
+    return qmap, fixed
+
+
+def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Scales and zero points of the model's quantizers, from its state."""
+    from graphbuild.frontend.normalize import qvalues_from
+
+    ((qmap, fixed),) = inputs
+    values = qvalues_from(QuantMap.from_json(qmap), fixed, host_state(context.input))
+    return values.to_tensors()
+
+
+def pack(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """Every tensor's bytes (see :mod:`.tensors`), and what each became."""
+    from graphbuild.targets.gguf.tensors import pack_tensors
+
+    planned, digests, *quant = inputs
+    qmap = qvalues = None
+    if quant:
+        (qmap_doc, _), values = quant
+        qmap = QuantMap.from_json(qmap_doc)
+        qvalues = QuantValues.from_tensors(values) if values else QuantValues()
+    packed, report = pack_tensors(
+        planned["tensors"],
+        host_state(context.input),
+        context["quantizer"],
+        context["float_type"],
+        qmap,
+        qvalues,
+        {name: d.rpartition(":")[2] for name, d in digests.items()},
+    )
+    return packed, report
+
+
+def report(inputs: tuple, samples: Any, context: Any) -> dict:
+    """What the file holds, for people: tensors by type, and what was left out."""
+    planned, (packed, per_tensor) = inputs
+    types = Counter(t.ggml for t in packed.tensors)
+    matrices = [t for t in packed.tensors if len(t.shape) > 1]
+    quantized = sum(1 for t in matrices if t.type.quantized)
+    moved = [r["scale_float16_rel_change"] for r in per_tensor.values() if "quantizer" in r]
+    by_type = ", ".join(f"{name}: {n}" for name, n in sorted(types.items()))
+    summary = f"{quantized}/{len(matrices)} weight matrices quantized ({by_type})"
+    out: dict[str, Any] = {
+        "summary": summary,
+        "architecture": planned["architecture"],
+        "types": dict(sorted(types.items())),
+        "tensors": {name: r["type"] for name, r in per_tensor.items()},
+        "left_out": planned["left_out"],
+    }
+    if moved:
+        out["scale_float16_max_rel_change"] = max(moved)
+    return out
+
+
+def vocab(inputs: tuple, samples: Any, context: Any) -> list:
+    """The ``tokenizer.ggml.*`` entries from the tokenizer the options name."""
+    from graphbuild.targets.gguf.vocab import vocab_entries
+
+    (planned,) = inputs
+    if context["tokenizer"] is None:
+        warnings.warn(
+            "gguf: no tokenizer given: the file has no vocabulary (llama.cpp runs token ids, "
+            "not text); set the tokenizer option to the model's tokenizer.json",
+            stacklevel=2,
+        )
+    entries = vocab_entries(
+        context["tokenizer"],
+        planned["vocab_size"],
+        context["tokenizer_pre"],
+        planned["tokenizer_pre"],
+        planned["bos_token_id"],
+        planned["eos_token_id"],
+    )
+    return [[k, t, v] for k, t, v in entries]
+
+
+def gguf_file(inputs: tuple, samples: Any, context: Any) -> GgufFile:
+    """Header (metadata and tensor infos) and tensors, laid out as llama.cpp reads them. An
+    output projection whose blocks equal the embedding's is left out: llama.cpp then reads
+    the embedding in its place (a tied embedding is stored once)."""
+    planned, entries, (packed, _) = inputs
+    tensors = list(packed.tensors)
+    fallback = planned["output_fallback"]
+    if fallback is not None:
+        by_name = packed.by_name()
+        output, embedding = (by_name.get(n) for n in fallback)
+        if output is not None and embedding is not None and _same(output, embedding):
+            tensors.remove(output)
+    alignment = context["alignment"]
+    head, _ = container.header(
+        _metadata(planned, entries, tensors, context), _infos(tensors), alignment
+    )
+    name = f"{context['model_name']}.gguf"
+    return GgufFile(name, head, tuple(tensors), alignment)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a.ggml == b.ggml and a.shape == b.shape and a.digest == b.digest
+
+
+def _infos(tensors: list) -> list[container.TensorInfo]:
+    return [container.TensorInfo(t.name, t.shape, t.type.id, t.data.nbytes) for t in tensors]
+
+
+def _metadata(planned: dict, vocab_entries: list, tensors: list, context: Any) -> list:
+    arch = planned["architecture"]
+    types = {t.ggml for t in tensors if len(t.shape) > 1}
+    main = next((n for n in ("Q4_0", "Q8_0", "F16") if n in types), "F32")
+    entries: list[tuple[str, str, Any]] = [
+        ("general.architecture", "string", arch),
+        ("general.name", "string", context["model_name"]),
+        ("general.file_type", "uint32", blocks.FILE_TYPES[main]),
+    ]
+    if any(blocks.GGML_TYPES[n].quantized for n in types):
+        entries.append(("general.quantization_version", "uint32", QUANTIZATION_VERSION))
+    if context["alignment"] != container.DEFAULT_ALIGNMENT:
+        entries.append(("general.alignment", "uint32", context["alignment"]))
+    for key, value in context["metadata"].items():
+        entries.append((key, _value_type(value), value))
+    entries += [tuple(e) for e in planned["hparams"]]
+    entries += [tuple(e) for e in vocab_entries]
+    return entries
+
+
+def _value_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int64"
+    if isinstance(value, float):
+        return "float32"
+    return "string"
+
+
+def check_numerics(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Run the file in llama.cpp on the sample token ids; compare its logits with the torch
+    model run on the weights the file holds (dequantized)."""
+    from graphbuild.targets.gguf.numerics import compare_with_llama_cpp
+
+    planned, (packed, _), gguf, *marker = inputs
+    program = marker[0][0].program if marker else None
+    return compare_with_llama_cpp(gguf, planned, packed, context.input, program, samples)
+
+
+# --------------------------------------------------------------------------- wiring
+
+
+def build_gguf_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
+    """``gguf/llama_cpp``: see the module's docstring."""
+    fmt = fmt or request.format
+    if fmt not in FORMATS:
+        raise ConfigError(
+            f"unknown format '{fmt}' for target gguf; known: {', '.join(FORMATS)} "
+            "(a custom format passes fmt= to build_gguf_pipeline)"
+        )
+    opts = coerce_options(GgufOptions, request.options, request.target)
+    p = Pipeline(name=f"{request.target}/{fmt}")
+    planned = p.register_stage(
+        plan,
+        "plan",
+        reads=("input.structure", "registry.gguf_adapters", "ctx.architecture"),
+    )
+    digests = p.register_stage(weight_digests, "weight_digests", reads=("input.state",))
+    digests.depends_on(planned)
+    packed = p.register_stage(
+        pack, "pack", reads=(UNKEYED_INPUT, "ctx.quantizer", "ctx.float_type")
+    ).depends_on(planned, digests)
+    norm = None
+    if opts.quantizer is None:  # the model's own quantizers, as the front end reads them
+        cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
+        norm = p.register_stage(normalize, "normalize", reads=("registry.recognizers",))
+        norm.depends_on(cap)
+        qmap = p.register_stage(quant_map, "quant_map", reads=()).depends_on(norm)
+        values = p.register_stage(qparams, "qparams", reads=("input.state",)).depends_on(qmap)
+        packed.depends_on(qmap, values)
+    summary = p.register_stage(report, "report", reads=()).depends_on(planned, packed)
+    words = p.register_stage(vocab, "vocab", reads=("ctx.tokenizer", "ctx.tokenizer_pre"))
+    words.depends_on(planned)
+    gguf = p.register_stage(
+        gguf_file,
+        "gguf_file",
+        reads=("ctx.model_name", "ctx.metadata", "ctx.alignment"),
+    ).depends_on(planned, words, packed)
+    p.products = [gguf.name]
+    p.output_files = frozenset({f"{request.model_name}.gguf"})
+    p.reports["coverage"] = summary.name
+    if opts.check_numerics:
+        check = p.register_stage(check_numerics, "check_numerics", reads=("input", "samples"))
+        check.depends_on(planned, packed, gguf, *([norm] if norm is not None else []))
+        p.reports["numerics"] = check.name
+    return p
+
+
+__all__ = ["FORMATS", "GgufOptions", "PackedTensors", "build_gguf_pipeline"]
