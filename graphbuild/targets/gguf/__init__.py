@@ -29,7 +29,7 @@ TARGET = Target(
 def __getattr__(name: str) -> Any:
     # the adapters module registers its registry with the fingerprint engine (torch): not
     # imported to declare the target
-    if name in ("ArchAdapter", "register_adapter", "LLAMA", "QWEN2", "QWEN3"):
+    if name in ("ArchAdapter", "register_adapter", "unregister_adapter", "LLAMA", "QWEN2", "QWEN3"):
         from graphbuild.targets.gguf import adapters
 
         return getattr(adapters, name)
@@ -46,5 +46,6 @@ __all__ = [
     "ArchAdapter",
     "GgufOptions",
     "register_adapter",
+    "unregister_adapter",
     "build_gguf_pipeline",
 ]

@@ -211,6 +211,13 @@ def register_adapter(adapter: ArchAdapter, *, replace: bool = False) -> None:
         _ADAPTERS[model_type] = adapter
 
 
+def unregister_adapter(adapter: ArchAdapter) -> None:
+    """Forget ``adapter`` for every model type it is registered for."""
+    for model_type, registered in list(_ADAPTERS.items()):
+        if registered is adapter:
+            del _ADAPTERS[model_type]
+
+
 def adapters() -> dict[str, ArchAdapter]:
     """Registered adapters by transformers model type."""
     return dict(_ADAPTERS)

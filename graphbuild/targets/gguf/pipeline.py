@@ -117,7 +117,9 @@ def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
 
 
 def pack(inputs: tuple, samples: Any, context: Any) -> tuple:
-    """Every tensor's bytes (see :mod:`.tensors`), and what each became."""
+    """Every tensor's bytes (see :mod:`.tensors`), and what each became. An output
+    projection whose blocks equal the embedding's is left out: llama.cpp then reads the
+    embedding in its place (a tied embedding is stored once)."""
     from graphbuild.targets.gguf.tensors import pack_tensors
 
     planned, digests, *quant = inputs
@@ -135,13 +137,20 @@ def pack(inputs: tuple, samples: Any, context: Any) -> tuple:
         qvalues,
         {name: d.rpartition(":")[2] for name, d in digests.items()},
     )
+    fallback = planned["output_fallback"]
+    if fallback is not None:  # llama.cpp reads the embedding when the output projection is absent
+        by_name = packed.by_name()
+        output, embedding = (by_name.get(n) for n in fallback)
+        if output is not None and embedding is not None and _same(output, embedding):
+            packed = PackedTensors(tuple(t for t in packed.tensors if t is not output))
+            report[output.name] = {**report[output.name], "stored_as": embedding.name}
     return packed, report
 
 
 def report(inputs: tuple, samples: Any, context: Any) -> dict:
     """What the file holds, for people: tensors by type, and what was left out."""
     planned, (packed, per_tensor) = inputs
-    types = Counter(t.ggml for t in packed.tensors)
+    types = Counter(t.ggml for t in packed.tensors)  # what the file holds
     matrices = [t for t in packed.tensors if len(t.shape) > 1]
     quantized = sum(1 for t in matrices if t.type.quantized)
     moved = [r["scale_float16_rel_change"] for r in per_tensor.values() if "quantizer" in r]
@@ -182,17 +191,9 @@ def vocab(inputs: tuple, samples: Any, context: Any) -> list:
 
 
 def gguf_file(inputs: tuple, samples: Any, context: Any) -> GgufFile:
-    """Header (metadata and tensor infos) and tensors, laid out as llama.cpp reads them. An
-    output projection whose blocks equal the embedding's is left out: llama.cpp then reads
-    the embedding in its place (a tied embedding is stored once)."""
+    """Header (metadata and tensor infos) and tensors, laid out as llama.cpp reads them."""
     planned, entries, (packed, _) = inputs
     tensors = list(packed.tensors)
-    fallback = planned["output_fallback"]
-    if fallback is not None:
-        by_name = packed.by_name()
-        output, embedding = (by_name.get(n) for n in fallback)
-        if output is not None and embedding is not None and _same(output, embedding):
-            tensors.remove(output)
     alignment = context["alignment"]
     head, _ = container.header(
         _metadata(planned, entries, tensors, context), _infos(tensors), alignment
