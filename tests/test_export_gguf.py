@@ -262,7 +262,8 @@ def test_blocks_of_a_multiple_of_32_are_written_as_32s(tmp_path, tokenizer_path)
 def test_a_pt2e_converted_graph_keeps_its_scales(tmp_path, tokenizer_path):
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    from graphbuild.targets.qnn.preset import QUANTIZER_PRESETS
+    import graphbuild.targets.qnn.preset  # noqa: F401  - registers the QNN presets
+    from graphbuild.frontend.presets import QUANTIZER_PRESETS
 
     model = gm.decoder("llama")
     ids = gm.token_ids()
@@ -270,8 +271,14 @@ def test_a_pt2e_converted_graph_keeps_its_scales(tmp_path, tokenizer_path):
     graph(ids)
     graph = convert_pt2e(graph, fold_quantize=False)
     graph.config = model.model.config  # a graph module carries no config of its own
-    found = tensors(read(export(graph, tmp_path, tokenizer_path)))
+    art = export(graph, tmp_path, tokenizer_path)
+    found = tensors(read(art))
     assert found["blk.0.attn_v.weight"].tensor_type == Q8_0
+    # the preset quantizes the embedding table on a 16-bit grid: no block type holds it
+    assert found["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    floats = art.report.extra["coverage"]["float_from_quantizers"]
+    assert "token_embd.weight" in floats  # and the norm weights, on the activation grid
+    assert all(n == "token_embd.weight" or n.endswith("norm.weight") for n in floats)
     v = model.model.model.layers[0].self_attn.v_proj.weight.detach()
     values = gguf.quants.dequantize(np.asarray(found["blk.0.attn_v.weight"].data), Q8_0)
     step = v.abs().amax(dim=1, keepdim=True) / 127  # AIMET's symmetric int8 scale, about

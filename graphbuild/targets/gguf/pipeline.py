@@ -69,6 +69,18 @@ def plan(model: Any, samples: Any, context: Any) -> dict[str, Any]:
     }
 
 
+def tensor_plan(inputs: tuple, samples: Any, context: Any) -> dict[str, Any]:
+    """The tensors alone: a hyperparameter change stops here, before any weight is read."""
+    ((planned),) = inputs
+    return {k: planned[k] for k in ("tensors", "output_fallback")}
+
+
+def arch_metadata(inputs: tuple, samples: Any, context: Any) -> dict[str, Any]:
+    """The architecture's metadata alone: what the header and the vocabulary need."""
+    ((planned),) = inputs
+    return {k: v for k, v in planned.items() if k not in ("tensors", "output_fallback")}
+
+
 def _token_id(value: Any) -> int | None:
     if isinstance(value, (list, tuple)):
         value = value[0] if value else None
@@ -153,7 +165,7 @@ def report(inputs: tuple, samples: Any, context: Any) -> dict:
     types = Counter(t.ggml for t in packed.tensors)  # what the file holds
     matrices = [t for t in packed.tensors if len(t.shape) > 1]
     quantized = sum(1 for t in matrices if t.type.quantized)
-    moved = [r["scale_float16_rel_change"] for r in per_tensor.values() if "quantizer" in r]
+    moved = [r["scale_float16_rel_change"] for r in per_tensor.values() if "scale_float16_rel_change" in r]
     by_type = ", ".join(f"{name}: {n}" for name, n in sorted(types.items()))
     summary = f"{quantized}/{len(matrices)} weight matrices quantized ({by_type})"
     out: dict[str, Any] = {
@@ -165,6 +177,10 @@ def report(inputs: tuple, samples: Any, context: Any) -> dict:
     }
     if moved:
         out["scale_float16_max_rel_change"] = max(moved)
+    finer = sorted(name for name, r in per_tensor.items() if "bits" in r)
+    if finer:
+        out["float_from_quantizers"] = finer  # grids finer than any block type
+        out["summary"] += f"; {len(finer)} finer than 8 bits stored as float"
     return out
 
 
@@ -263,11 +279,13 @@ def build_gguf_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         )
     opts = coerce_options(GgufOptions, request.options, request.target)
     p = Pipeline(name=f"{request.target}/{fmt}")
-    planned = p.register_stage(
+    whole = p.register_stage(
         plan,
         "plan",
         reads=("input.structure", "registry.gguf_adapters", "ctx.architecture"),
     )
+    planned = p.register_stage(tensor_plan, "tensor_plan", reads=()).depends_on(whole)
+    arch = p.register_stage(arch_metadata, "arch_metadata", reads=()).depends_on(whole)
     digests = p.register_stage(weight_digests, "weight_digests", reads=("input.state",))
     digests.depends_on(planned)
     packed = p.register_stage(
@@ -281,14 +299,14 @@ def build_gguf_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         qmap = p.register_stage(quant_map, "quant_map", reads=()).depends_on(norm)
         values = p.register_stage(qparams, "qparams", reads=("input.state",)).depends_on(qmap)
         packed.depends_on(qmap, values)
-    summary = p.register_stage(report, "report", reads=()).depends_on(planned, packed)
+    summary = p.register_stage(report, "report", reads=()).depends_on(arch, packed)
     words = p.register_stage(vocab, "vocab", reads=("ctx.tokenizer", "ctx.tokenizer_pre"))
-    words.depends_on(planned)
+    words.depends_on(arch)
     gguf = p.register_stage(
         gguf_file,
         "gguf_file",
         reads=("ctx.model_name", "ctx.metadata", "ctx.alignment"),
-    ).depends_on(planned, words, packed)
+    ).depends_on(arch, words, packed)
     p.products = [gguf.name]
     p.output_files = frozenset({f"{request.model_name}.gguf"})
     p.reports["coverage"] = summary.name

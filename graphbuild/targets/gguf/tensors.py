@@ -5,11 +5,13 @@ its GGUF name, shape and whether its rows are permuted (Llama's RoPE). Packing i
 
 - a 1-D tensor (norm weights, biases) is F32, as llama.cpp's converter writes it (the
   model's fake-quantized value where a quantizer acts on it: what the model computes);
-- a weight a quantizer of the model acts on is Q4_0 or Q8_0 with the model's own scale in
-  each block (as float16, the only precision the format has) and the codes the model's
-  quantizer computes: per tensor, per output channel, or in blocks of a multiple of 32 along
-  the row, symmetric (zero point at the grid's centre), 4-bit grids as Q4_0 and 8-bit as
-  Q8_0; anything else is an error that names the tensor and the quantizer;
+- a weight a quantizer of at most 8 bits acts on is Q4_0 or Q8_0 with the model's own
+  scale in each block (as float16, the only precision the format has) and the codes the
+  model's quantizer computes: per tensor, per output channel, or in blocks of a multiple of
+  32 along the row, with codes ``q - z`` in Q4_0's [-8, 7] (else Q8_0's [-128, 127]); any
+  other such quantizer is an error that names the tensor and the quantizer. A finer grid
+  (16 bits: what a QNN preset gives an embedding table) has no block type: its fake-quantized
+  values are stored as ``float_type``, and the report says so;
 - with a preset (``q8_0``, ``q4_0``), every 2-D weight is quantized as llama.cpp's own
   quantizer does it (:mod:`.blocks`), whatever quantizers the model has;
 - any other 2-D weight is ``float_type`` (F16 by default, as llama.cpp's converter).
@@ -36,6 +38,10 @@ from graphbuild.onnx.fakequant import broadcast_qparam, fake_quantize
 from graphbuild.targets.gguf import blocks
 from graphbuild.targets.gguf.adapters import ArchAdapter, source_prefix
 from graphbuild.targets.gguf.artifacts import PackedTensor, PackedTensors
+
+#: The widest grid a block type holds (Q8_0); a weight quantized more finely (a 16-bit grid)
+#: is stored as its fake-quantized values in ``float_type``.
+WIDEST_BLOCK_BITS = 8
 
 #: Bytes of weights above which tensors are packed on a thread each.
 PARALLEL_PACK_BYTES = 8 << 20
@@ -143,9 +149,9 @@ class _Job:
             self.mode = "F32"
         elif preset is not None:
             self.mode = preset.upper()
-        elif spec is not None:
+        elif spec is not None and spec.bits <= WIDEST_BLOCK_BITS:
             self.mode = "model"
-        else:
+        else:  # no quantizer, or one finer than any block type: its values, as floats
             self.mode = float_type
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * 4
         known = digests.get(self.source)
@@ -171,7 +177,8 @@ class _Job:
                 values = fake_quantize(values, self.spec, self.qp)
             ggml = blocks.GGML_TYPES[self.mode]
             data = blocks.float_bytes(ggml, self._rows(_numpy(values)))
-            return self._packed(ggml, data)
+            note = {"quantizer": self.spec.qid, "bits": self.spec.bits} if self.spec else None
+            return self._packed(ggml, data, note)
         if self.mode == "model":
             return self._from_quantizer(w)
         ggml = blocks.GGML_TYPES[self.mode]
