@@ -130,6 +130,24 @@ class BlockQuantLinear(nn.Module):
         return nn.functional.linear(x, self.weight_quantizer(self.weight), self.bias)
 
 
+class FakeQuantEmbedding(nn.Module):
+    """An embedding whose table goes through ``torch.fake_quantize_per_channel_affine`` per
+    row (symmetric int8); the parameter keeps its name (``...embed_tokens.weight``)."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.weight = embedding.weight
+        amax = embedding.weight.detach().abs().amax(dim=1).clamp_min(1e-8)
+        self.register_buffer("w_scale", amax / 127)
+        self.register_buffer("w_zp", torch.zeros(amax.shape[0], dtype=torch.int32))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = torch.fake_quantize_per_channel_affine(
+            self.weight, self.w_scale, self.w_zp, 0, -127, 127
+        )
+        return nn.functional.embedding(ids, w)
+
+
 def quantize_linears(model: nn.Module, make) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (the output projection included) by
     ``make(linear)`` in place; returns the model."""

@@ -209,11 +209,14 @@ def assert_models_own_blocks(found, name, weight, snapped, scale, ggml):
 
 
 def test_per_channel_fake_quant_weights_keep_the_models_scales(tmp_path, tokenizer_path):
-    model = gm.quantize_linears(gm.decoder("llama"), lambda l: gm.FakeQuantLinear(l, -8, 7))
+    model = gm.quantize_linears(gm.decoder("llama"), lambda lin: gm.FakeQuantLinear(lin, -8, 7))
     art = export(model, tmp_path, tokenizer_path)
     found = tensors(read(art))
     layer = model.model.model.layers[1]
-    for name, lin in (("blk.1.attn_v.weight", layer.self_attn.v_proj), ("blk.1.ffn_down.weight", layer.mlp.down_proj)):
+    for name, lin in (
+        ("blk.1.attn_v.weight", layer.self_attn.v_proj),
+        ("blk.1.ffn_down.weight", layer.mlp.down_proj),
+    ):
         snapped = lin(torch.eye(lin.weight.shape[1])).T.detach().numpy()  # the weight it uses
         scale = np.repeat(lin.w_scale.numpy(), lin.weight.shape[1] // 32)
         assert_models_own_blocks(found, name, lin.weight, snapped, scale, Q4_0)
@@ -224,7 +227,7 @@ def test_per_channel_fake_quant_weights_keep_the_models_scales(tmp_path, tokeniz
 
 
 def test_fastforward_blocks_of_32_keep_their_scales_and_rope_rows(tmp_path, tokenizer_path):
-    model = gm.quantize_linears(gm.decoder("llama"), lambda l: gm.BlockQuantLinear(l, 4, 32))
+    model = gm.quantize_linears(gm.decoder("llama"), lambda lin: gm.BlockQuantLinear(lin, 4, 32))
     found = tensors(read(export(model, tmp_path, tokenizer_path)))
     q = model.model.model.layers[0].self_attn.q_proj
     snapped = q.weight_quantizer(q.weight).detach()
@@ -241,7 +244,7 @@ def test_fastforward_blocks_of_32_keep_their_scales_and_rope_rows(tmp_path, toke
 
 def test_an_unsigned_4_bit_grid_is_held_exactly_as_q8_0(tmp_path, tokenizer_path):
     """Codes 0..15 (zero point 0) are not Q4_0's -8..7, but Q8_0 holds them exactly."""
-    model = gm.quantize_linears(gm.decoder("llama"), lambda l: gm.FakeQuantLinear(l, 0, 15))
+    model = gm.quantize_linears(gm.decoder("llama"), lambda lin: gm.FakeQuantLinear(lin, 0, 15))
     found = tensors(read(export(model, tmp_path, tokenizer_path)))
     o = model.model.model.layers[0].self_attn.o_proj
     snapped = o(torch.eye(64)).T.detach().numpy()
@@ -249,8 +252,26 @@ def test_an_unsigned_4_bit_grid_is_held_exactly_as_q8_0(tmp_path, tokenizer_path
     assert_models_own_blocks(found, "blk.0.attn_output.weight", o.weight, snapped, scale, Q8_0)
 
 
+def test_a_tied_embeddings_two_quantizers_go_to_their_own_uses(tmp_path, tokenizer_path):
+    """torch.export reads a tied parameter through one name for both uses; each quantizer
+    is given to the tensor of the use it quantizes (the lookup's to token_embd)."""
+    model = gm.quantize_linears(gm.decoder("qwen2"), lambda lin: gm.FakeQuantLinear(lin, -8, 7))
+    inner = model.model.model
+    inner.embed_tokens = gm.FakeQuantEmbedding(inner.embed_tokens)
+    assert model.model.lm_head.weight is inner.embed_tokens.weight  # still tied
+    found = tensors(read(export(model, tmp_path, tokenizer_path)))
+    table = inner.embed_tokens
+    snapped = table(torch.arange(gm.VOCAB)).detach().numpy()
+    scale = np.repeat(table.w_scale.numpy(), 2)
+    assert_models_own_blocks(found, "token_embd.weight", table.weight, snapped, scale, Q8_0)
+    head = model.model.lm_head
+    snapped = head(torch.eye(64)).T.detach().numpy()
+    scale = np.repeat(head.w_scale.numpy(), 2)
+    assert_models_own_blocks(found, "output.weight", head.weight, snapped, scale, Q4_0)
+
+
 def test_blocks_of_a_multiple_of_32_are_written_as_32s(tmp_path, tokenizer_path):
-    model = gm.quantize_linears(gm.decoder("llama"), lambda l: gm.BlockQuantLinear(l, 8, 64))
+    model = gm.quantize_linears(gm.decoder("llama"), lambda lin: gm.BlockQuantLinear(lin, 8, 64))
     found = tensors(read(export(model, tmp_path, tokenizer_path)))
     up = model.model.model.layers[0].mlp.up_proj
     scale = up.weight_quantizer.scale.detach().repeat_interleave(2)  # one per 32 values
@@ -291,8 +312,8 @@ def test_a_pt2e_converted_graph_keeps_its_scales(tmp_path, tokenizer_path):
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda l: gm.BlockQuantLinear(l, 4, 16), "blocks of 16 along axis 1.*no GGUF form"),
-        (lambda l: gm.FakeQuantLinear(l, 0, 255), r"8-bit grid \[0, 255\] with zero point 0"),
+        (lambda lin: gm.BlockQuantLinear(lin, 4, 16), "blocks of 16 along axis 1.*no GGUF form"),
+        (lambda lin: gm.FakeQuantLinear(lin, 0, 255), r"8-bit grid \[0, 255\] with zero point 0"),
     ],
 )
 def test_quantizers_gguf_cannot_hold_are_named(tmp_path, tokenizer_path, make, message):

@@ -121,7 +121,9 @@ def test_weights_only_repack_only_the_changed_tensor(warm, tokenizers, monkeypat
     build(model, out, cache, tokenizers[0])
     packed = []
     real = tensors_module._Job.run
-    monkeypatch.setattr(tensors_module._Job, "run", lambda job: packed.append(job.name) or real(job))
+    monkeypatch.setattr(
+        tensors_module._Job, "run", lambda job: packed.append(job.name) or real(job)
+    )
     with torch.no_grad():
         model.model.model.layers[0].self_attn.k_proj.weight.add_(0.01)
     build(model, out, cache, tokenizers[0])
@@ -208,7 +210,7 @@ def test_an_output_file_edited_by_hand_is_placed_again_from_the_cache(warm, toke
 
 @pytest.fixture
 def warm_quantized(tmp_path, tokenizers):
-    model = gm.quantize_linears(gm.decoder("llama"), lambda l: gm.BlockQuantLinear(l, 4, 32))
+    model = gm.quantize_linears(gm.decoder("llama"), lambda lin: gm.BlockQuantLinear(lin, 4, 32))
     cache = gb.Cache(tmp_path / "cache")
     build(model, tmp_path / "out", cache, tokenizers[0], quantizer=None)
     return model, tmp_path / "out", cache

@@ -67,7 +67,8 @@ class ArchAdapter:
     under the architecture's prefix (``llama.context_length``...). ``tokenizer_pre``:
     llama.cpp's pre-tokenizer when the tokenizer does not say. ``output_fallback``: the
     tensor llama.cpp reads in place of ``output.weight`` when the file has none (a tied
-    embedding is then written once).
+    embedding is then written once). ``embedding``: the tensor llama.cpp looks tokens up in
+    (a quantizer of a tied parameter's lookup belongs to it).
     """
 
     name: str
@@ -78,6 +79,7 @@ class ArchAdapter:
     rope_heads: Callable[[str, Any], int | None] | None = None
     tokenizer_pre: str = "default"
     output_fallback: tuple[str, str] | None = ("output.weight", "token_embd.weight")
+    embedding: str = "token_embd.weight"
 
     def gguf_name(self, hf_name: str) -> str | None:
         """The GGUF name of a causal-LM parameter, or None when the file has no place for it."""
@@ -240,8 +242,7 @@ def find_adapter(config: Any, chosen: ArchAdapter | str | None) -> ArchAdapter:
             if chosen in (adapter.name, *adapter.model_types):
                 return adapter
         raise ConfigError(
-            f"no GGUF architecture adapter named '{chosen}'; known: "
-            f"{', '.join(sorted(registered))}"
+            f"no GGUF architecture adapter named '{chosen}'; known: {', '.join(sorted(registered))}"
         )
     model_type = getattr(config, "model_type", None)
     if model_type in registered:

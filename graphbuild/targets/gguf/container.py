@@ -78,7 +78,9 @@ def _value(kind: str, value: Any, key: str) -> bytes:
     try:
         return struct.pack(fmt, value)
     except struct.error as err:
-        raise ExportError(f"GGUF metadata '{key}': {value!r} is not a valid {kind}: {err}") from None
+        raise ExportError(
+            f"GGUF metadata '{key}': {value!r} is not a valid {kind}: {err}"
+        ) from None
 
 
 def entry_bytes(entry: Entry) -> bytes:

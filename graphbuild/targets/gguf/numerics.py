@@ -1,15 +1,18 @@
 """The numerics check of the GGUF target: llama.cpp's logits against torch's.
 
 The reference is the torch model run on the weights the file holds, dequantized as llama.cpp
-dequantizes them (``d * q``; F16 and F32 as stored), with the RoPE row permutation undone;
-for a model with its own quantizers, the model without them (the front end's marker graph, whose
-markers are identities), since llama.cpp runs activations in float. So the comparison
-measures what llama.cpp computes differently from torch (its float16 KV cache is set to
-float32 here; its matrix products quantize activations to Q8_0 blocks for quantized weights),
-not what quantizing the weights costs.
+dequantizes them (``d * q``; F16 and F32 as stored), with the RoPE row permutation undone,
+each tensor under each of its names (a tied embedding and output projection the file holds
+apart get their own values). A model with its own weight quantizers runs them on those
+weights, which maps them back onto their grid: the model's own codes and float32 scales. So
+the comparison measures what llama.cpp computes differently from torch (its matrix products
+quantize activations to Q8_0 blocks for quantized weights; its float16 KV cache is set to
+float32 here), not what quantizing the weights costs. Activation quantizers of the model
+(which a GGUF file does not hold: llama.cpp runs activations in float) count as a
+difference.
 
 llama.cpp is ``llama-cpp-python`` (the optional ``llama_cpp`` extra): it loads the file from
-disk, evaluates the sample token ids of each batch row with every position's logits kept.
+disk and evaluates the sample token ids of each batch row, every position's logits kept.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 from graphbuild.errors import ExportError
 from graphbuild.frontend.capture import as_args
-from graphbuild.frontend.reference import outputs_dict, output_errors
+from graphbuild.frontend.reference import output_errors, outputs_dict
 from graphbuild.targets.gguf import blocks
 from graphbuild.targets.gguf.artifacts import GgufFile, PackedTensors
 from graphbuild.targets.gguf.tensors import rope_order
@@ -50,30 +53,22 @@ def file_state(planned: Mapping[str, Any], packed: PackedTensors) -> dict[str, t
         heads = entry["rope_heads"]
         if heads is not None:
             values = values[np.argsort(rope_order(values.shape[0], heads))]
-        out[entry["source"]] = torch.from_numpy(np.ascontiguousarray(values))
+        value = torch.from_numpy(np.ascontiguousarray(values))
+        for name in entry["aliases"]:
+            out.setdefault(name, value)  # a name the file holds itself comes first
+        out[entry["source"]] = value
     return out
 
 
 def reference_logits(
-    model: torch.nn.Module,
-    marker_program: Any,
-    state: Mapping[str, torch.Tensor],
-    args: tuple,
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor], args: tuple
 ) -> torch.Tensor:
-    """The logits (first output) of the model, or of its marker graph, on ``args`` with
-    ``state`` in place of those parameters."""
+    """The logits (first output) of the model on ``args`` with ``state`` in place of those
+    parameters (tied ones each under its own name)."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    values = {k: v.to(own[k].dtype) for k, v in state.items()}
     with torch.no_grad():
-        if marker_program is not None:
-            from graphbuild.frontend.devices import host_state
-            from graphbuild.frontend.programs import with_state
-
-            full = dict(host_state(model).items())
-            full.update({k: v.to(full[k].dtype) for k, v in state.items()})
-            out = with_state(marker_program, full).module()(*args)
-        else:
-            own = dict(model.named_parameters(remove_duplicate=False))
-            values = {k: v.to(own[k].dtype) for k, v in state.items()}
-            out = torch.func.functional_call(model, values, args, tie_weights=False)
+        out = torch.func.functional_call(model, values, args, tie_weights=False)
     (first, *_) = outputs_dict(out).values()
     return first
 
@@ -112,7 +107,6 @@ def compare_with_llama_cpp(
     planned: Mapping[str, Any],
     packed: PackedTensors,
     model: torch.nn.Module,
-    marker_program: Any,
     samples: Any,
 ) -> dict[str, Any]:
     """Max abs error, SQNR and top-1 agreement of llama.cpp's logits against the reference,
@@ -126,7 +120,7 @@ def compare_with_llama_cpp(
             f"of token ids, not {type(ids).__name__}"
         )
     rows = ids.reshape(-1, ids.shape[-1])
-    reference = reference_logits(model, marker_program, file_state(planned, packed), args)
+    reference = reference_logits(model, file_state(planned, packed), args)
     reference = reference.reshape(rows.shape[0], rows.shape[1], -1).numpy()
     outputs = []
     with tempfile.TemporaryDirectory(prefix="graphbuild-gguf-") as tmp:

@@ -57,8 +57,10 @@ class GgufOptions:
             raise ConfigError(
                 f"float_type must be one of {', '.join(FLOAT_TYPES)}, not {self.float_type!r}"
             )
-        if not isinstance(self.alignment, int) or self.alignment < 8 or self.alignment & (
-            self.alignment - 1
+        if (
+            not isinstance(self.alignment, int)
+            or self.alignment < 8
+            or self.alignment & (self.alignment - 1)
         ):
             raise ConfigError(f"alignment must be a power of two >= 8, not {self.alignment!r}")
         for key, value in (self.metadata or {}).items():

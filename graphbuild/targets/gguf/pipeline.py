@@ -27,12 +27,10 @@ import warnings
 from collections import Counter
 from typing import Any
 
-from graphbuild.engine.codecs import roundtrip
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
 from graphbuild.errors import ConfigError
 from graphbuild.frontend.capture import capture
 from graphbuild.frontend.devices import host_state, model_tensors
-from graphbuild.frontend.programs import ProgramArtifact, strip_state
 from graphbuild.frontend.quantmap import QuantMap, QuantValues
 from graphbuild.targets.base import Request, coerce_options
 from graphbuild.targets.gguf import blocks, container
@@ -53,9 +51,7 @@ def plan(model: Any, samples: Any, context: Any) -> dict[str, Any]:
 
     config, _ = find_config(model)
     adapter = find_adapter(config, context["architecture"])
-    state = model_tensors(model)
-    parameters = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    tensors, left_out = plan_tensors(state, parameters, adapter, config)
+    tensors, left_out = plan_tensors(model, adapter, config)
     return {
         "architecture": adapter.name,
         "hparams": [[k, t, v] for k, t, v in adapter.hparams(config)],
@@ -103,20 +99,39 @@ def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
 
 
 def normalize(inputs: tuple, samples: Any, context: Any) -> tuple:
-    """The front end's normalize: the marker graph (the model without its quantizers, for
-    the numerics reference), the quant map, and the values written into the graph."""
+    """The front end's normalize, keeping what the file needs of it: the quant map (with
+    the ops that read each quantizer's output) and the values written into the graph."""
     from graphbuild.frontend.normalize import fixed_values, normalize_program
 
     (program,) = inputs
     marker, qmap = normalize_program(program.program)
     fixed = fixed_values(program.program, qmap)
-    return roundtrip(ProgramArtifact(strip_state(marker))), qmap.to_json(), fixed
+    doc = qmap.to_json()
+    doc["uses"] = _marker_uses(marker)
+    return doc, fixed
 
 
-def quant_map(inputs: tuple, samples: Any, context: Any) -> tuple:
-    """The quant map and the graph's own quantizer values, without the program."""
-    ((_, qmap, fixed),) = inputs
-    return qmap, fixed
+def _marker_uses(program: Any) -> dict[str, list[str]]:
+    """qid -> the ops that read each quantizer's output (through views), so that a tied
+    parameter's quantizer is given to the use it quantizes."""
+    from graphbuild.frontend.markers import is_marker
+    from graphbuild.frontend.recognizers import op_name
+
+    passthrough = {"aten.t.default", "aten.permute.default", "aten.view.default"}
+    uses: dict[str, list[str]] = {}
+    for node in program.graph.nodes:
+        if not is_marker(node):
+            continue
+        ops, todo = set(), list(node.users)
+        while todo:
+            user = todo.pop()
+            name = op_name(user.target) if user.op == "call_function" else user.op
+            if name in passthrough:
+                todo.extend(user.users)
+            else:
+                ops.add(name)
+        uses[str(node.args[1])] = sorted(ops)
+    return uses
 
 
 def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
@@ -135,10 +150,10 @@ def pack(inputs: tuple, samples: Any, context: Any) -> tuple:
     from graphbuild.targets.gguf.tensors import pack_tensors
 
     planned, digests, *quant = inputs
-    qmap = qvalues = None
+    qmap = qvalues = uses = None
     if quant:
         (qmap_doc, _), values = quant
-        qmap = QuantMap.from_json(qmap_doc)
+        qmap, uses = QuantMap.from_json(qmap_doc), qmap_doc["uses"]
         qvalues = QuantValues.from_tensors(values) if values else QuantValues()
     packed, report = pack_tensors(
         planned["tensors"],
@@ -148,6 +163,7 @@ def pack(inputs: tuple, samples: Any, context: Any) -> tuple:
         qmap,
         qvalues,
         {name: d.rpartition(":")[2] for name, d in digests.items()},
+        uses,
     )
     fallback = planned["output_fallback"]
     if fallback is not None:  # llama.cpp reads the embedding when the output projection is absent
@@ -165,7 +181,11 @@ def report(inputs: tuple, samples: Any, context: Any) -> dict:
     types = Counter(t.ggml for t in packed.tensors)  # what the file holds
     matrices = [t for t in packed.tensors if len(t.shape) > 1]
     quantized = sum(1 for t in matrices if t.type.quantized)
-    moved = [r["scale_float16_rel_change"] for r in per_tensor.values() if "scale_float16_rel_change" in r]
+    moved = [
+        r["scale_float16_rel_change"]
+        for r in per_tensor.values()
+        if "scale_float16_rel_change" in r
+    ]
     by_type = ", ".join(f"{name}: {n}" for name, n in sorted(types.items()))
     summary = f"{quantized}/{len(matrices)} weight matrices quantized ({by_type})"
     out: dict[str, Any] = {
@@ -261,9 +281,8 @@ def check_numerics(inputs: tuple, samples: Any, context: Any) -> dict:
     model run on the weights the file holds (dequantized)."""
     from graphbuild.targets.gguf.numerics import compare_with_llama_cpp
 
-    planned, (packed, _), gguf, *marker = inputs
-    program = marker[0][0].program if marker else None
-    return compare_with_llama_cpp(gguf, planned, packed, context.input, program, samples)
+    planned, (packed, _), gguf = inputs
+    return compare_with_llama_cpp(gguf, planned, packed, context.input, samples)
 
 
 # --------------------------------------------------------------------------- wiring
@@ -291,12 +310,10 @@ def build_gguf_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     packed = p.register_stage(
         pack, "pack", reads=(UNKEYED_INPUT, "ctx.quantizer", "ctx.float_type")
     ).depends_on(planned, digests)
-    norm = None
     if opts.quantizer is None:  # the model's own quantizers, as the front end reads them
         cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
-        norm = p.register_stage(normalize, "normalize", reads=("registry.recognizers",))
-        norm.depends_on(cap)
-        qmap = p.register_stage(quant_map, "quant_map", reads=()).depends_on(norm)
+        qmap = p.register_stage(normalize, "normalize", reads=("registry.recognizers",))
+        qmap.depends_on(cap)
         values = p.register_stage(qparams, "qparams", reads=("input.state",)).depends_on(qmap)
         packed.depends_on(qmap, values)
     summary = p.register_stage(report, "report", reads=()).depends_on(arch, packed)
@@ -312,7 +329,7 @@ def build_gguf_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     p.reports["coverage"] = summary.name
     if opts.check_numerics:
         check = p.register_stage(check_numerics, "check_numerics", reads=("input", "samples"))
-        check.depends_on(planned, packed, gguf, *([norm] if norm is not None else []))
+        check.depends_on(planned, packed, gguf)
         p.reports["numerics"] = check.name
     return p
 

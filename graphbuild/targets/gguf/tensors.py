@@ -51,13 +51,20 @@ PARALLEL_PACK_BYTES = 8 << 20
 
 
 def plan_tensors(
-    state: Mapping[str, torch.Tensor], parameters: Sequence[str], adapter: ArchAdapter, config: Any
+    model: torch.nn.Module, adapter: ArchAdapter, config: Any
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """(entries, parameters left out): one entry per parameter the file holds, in the
-    model's order, ``{"name", "source", "shape", "rope_heads"}``."""
-    prefix = source_prefix(list(state), adapter)
+    model's order: ``{"name", "source", "shape", "rope_heads", "aliases", "embedding"}``.
+    ``aliases`` are every name of the same parameter (a tied embedding is ``lm_head.weight``
+    too: ``torch.export`` gives its uses one name, and a quantizer of one use is told apart
+    by the op that reads it); ``embedding``: whether llama.cpp looks tokens up in it."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    names_of: dict[int, list[str]] = {}
+    for name, p in named:
+        names_of.setdefault(id(p), []).append(name)
+    prefix = source_prefix([n for n, _ in named], adapter)
     entries, left_out, taken = [], [], {}
-    for source in parameters:
+    for source, param in named:
         if not source.startswith(prefix):
             continue
         name = adapter.gguf_name(source[len(prefix) :])
@@ -69,17 +76,62 @@ def plan_tensors(
                 f"parameters '{taken[name]}' and '{source}' both map to GGUF tensor '{name}'"
             )
         taken[name] = source
-        shape = list(state[source].shape)
+        shape = list(param.shape)
         heads = adapter.rope_heads(name, config) if adapter.rope_heads is not None else None
         if heads is not None and shape[0] % (2 * heads):
             raise ExportError(
                 f"'{source}' has {shape[0]} rows, not a multiple of 2 x {heads} heads: its "
                 "rows cannot be permuted for llama.cpp's RoPE"
             )
-        entries.append({"name": name, "source": source, "shape": shape, "rope_heads": heads})
+        entries.append(
+            {
+                "name": name,
+                "source": source,
+                "shape": shape,
+                "rope_heads": heads,
+                "aliases": sorted(names_of[id(param)]),
+                "embedding": name == adapter.embedding,
+            }
+        )
     if not entries:
         raise ExportError("no parameter of the model maps to a GGUF tensor")
     return entries, left_out
+
+
+#: Ops that read a weight as an embedding table (the other uses are products).
+EMBEDDING_OPS = frozenset({"aten.embedding.default", "aten.embedding_bag.default"})
+
+
+def assign_quantizers(
+    plan: Sequence[Mapping[str, Any]], qmap: QuantMap, uses: Mapping[str, Sequence[str]]
+) -> dict[str, QuantSpec]:
+    """Which quantizer acts on each planned tensor: the one whose parameter is among the
+    tensor's names, told apart for a tied parameter by the ops that read the quantized
+    value (``uses``: qid -> op names): an embedding lookup belongs to the embedding table,
+    anything else to the other names."""
+    out: dict[str, QuantSpec] = {}
+    for spec in qmap:
+        if spec.param is None:
+            continue
+        candidates = [e for e in plan if spec.param in e["aliases"]]
+        if len(candidates) > 1:
+            ops = set(uses.get(str(spec.qid), ()))
+            lookup = bool(ops) and ops <= EMBEDDING_OPS
+            candidates = [e for e in candidates if e["embedding"] == lookup]
+        if len(candidates) > 1:
+            names = ", ".join(e["source"] for e in candidates)
+            raise ExportError(
+                f"quantizer {spec.qid} acts on '{spec.param}', which the file holds as "
+                f"several tensors ({names}); it cannot tell which"
+            )
+        for entry in candidates:
+            if entry["source"] in out:
+                raise ExportError(
+                    f"'{entry['source']}' has two weight quantizers ({out[entry['source']].qid} "
+                    f"and {spec.qid}); the file holds one set of blocks per tensor"
+                )
+            out[entry["source"]] = spec
+    return out
 
 
 def rope_order(rows: int, heads: int) -> np.ndarray:
@@ -100,10 +152,11 @@ def pack_tensors(
     qmap: QuantMap | None = None,
     qvalues: QuantValues | None = None,
     state_digests: Mapping[str, str] | None = None,
+    uses: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[PackedTensors, dict[str, Any]]:
     """Every planned tensor's bytes, and a report: each tensor's type, and for the model's
     own quantizers how far float16 moved their scales."""
-    specs = {s.param: s for s in (qmap or ()) if s.param is not None}
+    specs = assign_quantizers(plan, qmap, uses or {}) if qmap is not None else {}
     digests = state_digests or {}
     jobs = []
     for entry in plan:

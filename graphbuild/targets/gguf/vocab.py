@@ -135,16 +135,14 @@ def _template_specials(doc: dict[str, Any]) -> tuple[int | None, int | None]:
     post = doc.get("post_processor") or {}
     processors = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
     for proc in processors:
-        if proc.get("type") != "TemplateProcessing":
-            continue
-        single = proc.get("single") or []
-        specials = proc.get("special_tokens") or {}
-
-        def special_id(item: dict[str, Any]) -> int | None:
-            name = (item.get("SpecialToken") or {}).get("id")
-            ids = (specials.get(name) or {}).get("ids") if name is not None else None
-            return int(ids[0]) if ids else None
-
+        single = proc.get("single") or [] if proc.get("type") == "TemplateProcessing" else []
         if single:
-            return special_id(single[0]), special_id(single[-1])
+            specials = proc.get("special_tokens") or {}
+            return _special_id(single[0], specials), _special_id(single[-1], specials)
     return None, None
+
+
+def _special_id(item: dict[str, Any], specials: dict[str, Any]) -> int | None:
+    name = (item.get("SpecialToken") or {}).get("id")
+    ids = (specials.get(name) or {}).get("ids") if name is not None else None
+    return int(ids[0]) if ids else None
