@@ -86,6 +86,7 @@ def test_engine_knows_no_torch_export_onnx_or_target() -> None:
 _TARGET_HOMES = {
     "qnn": ("targets/qnn/", "targets/registry.py", "__init__.py"),
     "executorch": ("targets/executorch/", "targets/registry.py", "__init__.py"),
+    "gguf": ("targets/gguf/", "targets/registry.py", "__init__.py"),
 }
 
 
