@@ -343,6 +343,19 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
         export(model, tmp_path / "out", big, quantizer="q8_0")
 
 
+def test_tokenizers_llama_cpp_cannot_run_are_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    words = tmp_path / "words.json"
+    Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(words))
+    with pytest.raises(StageError, match="holds a WordLevel tokenizer.*byte-level BPE"):
+        export(gm.decoder("llama"), tmp_path / "out", words, quantizer="q8_0")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"model": {"type": "BPE"}}')
+    with pytest.raises(StageError, match="tokenizers library cannot read the tokenizer"):
+        export(gm.decoder("llama"), tmp_path / "out", broken, quantizer="q8_0")
+
+
 def test_options_are_checked():
     with pytest.raises(ConfigError, match="not a GGUF preset; known: q8_0, q4_0"):
         gb.GgufOptions(quantizer="w8a16")

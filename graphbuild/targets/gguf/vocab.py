@@ -2,9 +2,11 @@
 
 llama.cpp runs a byte-level BPE tokenizer (``tokenizer.ggml.model = "gpt2"``, the kind Llama 3,
 Qwen2 and Qwen3 ship) from its token list, token types, merges, pre-tokenizer name and special
-token ids. The ``tokenizers`` library reads the file (as it would for the model); what it
-cannot tell llama.cpp, the pre-tokenizer's name, comes from the options, from the file's own
-pre-tokenizer where it is plain GPT-2 byte-level, or from the architecture's adapter.
+token ids. The ``tokenizers`` library reads the file (its vocabulary and added tokens, as the
+model's users run it); the merges and the post-processor's template, which the library does
+not expose, come from the file's JSON. llama.cpp's name for the pre-tokenizer comes from the
+options, from the file's own pre-tokenizer where it is plain GPT-2 byte-level, or from the
+architecture's adapter.
 
 Token ids the tokenizer does not use up to the model's vocabulary size become ``[PAD<id>]``
 entries of type UNUSED, as llama.cpp's converter writes them.
@@ -38,6 +40,7 @@ def vocab_entries(
     if tokenizer_json is None:
         return [("tokenizer.ggml.model", "string", "none")]
     doc = _parse(tokenizer_json)
+    tokenizer = _load(tokenizer_json)
     model = doc.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
         kind = model.get("type", "unknown")
@@ -47,8 +50,7 @@ def vocab_entries(
             + "; the GGUF target writes byte-level BPE tokenizers (llama.cpp's 'gpt2' model, "
             "as Llama 3, Qwen2 and Qwen3 use)"
         )
-    tokens = _tokens(doc, vocab_size)
-    types = _types(doc, tokens, vocab_size)
+    tokens, types = _tokens(tokenizer, vocab_size)
     entries: list[Entry] = [
         ("tokenizer.ggml.model", "string", "gpt2"),
         ("tokenizer.ggml.pre", "string", pre or _pre_tokenizer(doc) or default_pre),
@@ -83,28 +85,35 @@ def _parse(data: bytes) -> dict[str, Any]:
     return doc
 
 
-def _tokens(doc: dict[str, Any], vocab_size: int) -> list[str]:
-    by_id: dict[int, str] = {}
-    vocab = (doc.get("model") or {}).get("vocab") or {}
-    for token, token_id in vocab.items():
-        by_id[int(token_id)] = token
-    for added in doc.get("added_tokens") or []:
-        by_id[int(added["id"])] = added["content"]
+def _load(data: bytes) -> Any:
+    """The tokenizer as the ``tokenizers`` library reads it (what the model's users run)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as err:
+        raise ExportError(
+            f"reading a tokenizer needs the tokenizers library ({err}): pip install "
+            "'graphbuild[gguf]'"
+        ) from None
+    try:
+        return Tokenizer.from_str(data.decode())
+    except Exception as err:  # the library raises its own Exception for a bad file
+        raise ExportError(f"the tokenizers library cannot read the tokenizer: {err}") from None
+
+
+def _tokens(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[int]]:
+    """Every id's token and llama.cpp token type, up to ``vocab_size``."""
+    by_id = {int(i): t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
     over = sorted(i for i in by_id if not 0 <= i < vocab_size)
     if over:
         raise ExportError(
             f"the tokenizer has token ids up to {over[-1]}, outside the model's vocabulary of "
             f"{vocab_size} (config.vocab_size): this tokenizer does not belong to this model"
         )
-    return [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
-
-
-def _types(doc: dict[str, Any], tokens: list[str], vocab_size: int) -> list[int]:
-    vocab = (doc.get("model") or {}).get("vocab") or {}
-    types = [NORMAL if t in vocab else UNUSED for t in tokens]
-    for added in doc.get("added_tokens") or []:
-        types[int(added["id"])] = CONTROL if added.get("special") else USER_DEFINED
-    return types
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    types = [NORMAL if i in by_id else UNUSED for i in range(vocab_size)]
+    for i, added in tokenizer.get_added_tokens_decoder().items():
+        types[int(i)] = CONTROL if added.special else USER_DEFINED
+    return tokens, types
 
 
 def _merges(model: dict[str, Any]) -> list[str]:
