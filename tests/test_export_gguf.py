@@ -6,6 +6,7 @@ and the errors that name what cannot be written."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -320,7 +321,7 @@ def test_quantizers_gguf_cannot_hold_are_named(tmp_path, tokenizer_path, make, m
     model = gm.quantize_linears(gm.decoder("llama"), make)
     with pytest.raises(StageError, match=message) as err:
         export(model, tmp_path, tokenizer_path)
-    assert "'model.model.layers.0.self_attn.q_proj.weight'" in str(err.value)
+    assert re.search(r"'model\.(model\.layers\.\d+\.\w+\.\w+|lm_head)\.weight'", str(err.value))
 
 
 def test_an_unknown_architecture_names_the_known_ones(tmp_path, tokenizer_path):

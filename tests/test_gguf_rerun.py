@@ -5,6 +5,7 @@ written, the others copied by verified range copies, byte for byte a fresh expor
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,9 @@ VALUE_STAGES = ("weight_digests", "pack", "report", "gguf_file")
 @pytest.fixture(autouse=True)
 def fresh_memo():
     """Each test starts with no packed tensors of an earlier export in this process."""
-    tensors_module._Memo.keep({})
+    tensors_module._Memo.clear()
     yield
-    tensors_module._Memo.keep({})
+    tensors_module._Memo.clear()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,20 @@ def build(model, out, cache, tokenizer, events=None, **options):
 
 
 def ran(art) -> set[str]:
-    return {name for name, status in art.report.statuses.items() if status == "ran"}
+    """The stages that ran, the per-shard projections (``weight_digests_<k>``,
+    ``qparams_<k>``: they rerun with their upstream, and cut off what did not change) and
+    packing shards (``pack_<k>``) left out: :func:`packed_shards` counts those."""
+    return {
+        name
+        for name, status in art.report.statuses.items()
+        if status == "ran" and not re.fullmatch(r"(weight_digests|qparams|pack)_\d+", name)
+    }
+
+
+def packed_shards(art) -> int:
+    """How many packing shards reran (the others were cut off: their tensors unchanged)."""
+    statuses = art.report.statuses
+    return sum(1 for n, s in statuses.items() if re.fullmatch(r"pack_\d+", n) and s == "ran")
 
 
 def tensor_bytes(art, names=None) -> int:
@@ -77,7 +91,7 @@ def tensor_bytes(art, names=None) -> int:
 
 
 def fresh(model, tmp_path, tokenizer, **options) -> bytes:
-    tensors_module._Memo.keep({})
+    tensors_module._Memo.clear()
     art = build(model, tmp_path / "fresh", False, tokenizer, **options)
     return art.files["gguf"].read_bytes()
 
@@ -111,12 +125,15 @@ def test_weights_only_repack_the_changed_tensor_and_copy_the_rest(
         model.model.model.layers[1].mlp.down_proj.weight.mul_(1.5)
     art = build(model, out, cache, tokenizers[0])
     assert ran(art) == set(VALUE_STAGES)  # plan, vocab: hits
+    assert packed_shards(art) == 1  # the shard holding the changed tensor
     unchanged = tensor_bytes(art) - tensor_bytes(art, {"blk.1.ffn_down.weight"})
     assert sum(copies) == unchanged > 0
     assert (out / "m.gguf").read_bytes() == fresh(model, tmp_path, tokenizers[0])
 
 
 def test_weights_only_repack_only_the_changed_tensor(warm, tokenizers, monkeypatch):
+    """Within a process the shard's previous call gives its unchanged tensors (in a new
+    process the shard repacks them all: the other shards come from the cache)."""
     model, out, cache = warm
     build(model, out, cache, tokenizers[0])
     packed = []
@@ -154,7 +171,7 @@ def test_a_metadata_change_reruns_the_file_only(warm, tokenizers, copies, tmp_pa
 def test_a_preset_change_repacks_and_keeps_the_plan(warm, tokenizers):
     model, out, cache = warm
     art = build(model, out, cache, tokenizers[0], quantizer="q4_0")
-    assert ran(art) == {"pack", "report", "gguf_file"}
+    assert ran(art) == {"pack", "report", "gguf_file"} and packed_shards(art) == 4
 
 
 def test_the_model_name_reruns_the_file_only(warm, tokenizers, tmp_path):
@@ -222,6 +239,7 @@ def test_own_quantizers_weights_only_never_retrace(warm_quantized, tokenizers, t
         model.model.model.layers[0].mlp.gate_proj.weight.mul_(0.9)
     art = build(model, out, cache, tokenizers[0], quantizer=None)
     assert ran(art) == {"qparams", *VALUE_STAGES}  # qparams reran, same values: no effect
+    assert packed_shards(art) == 1
     assert art.report.statuses["capture"] == art.report.statuses["normalize"] == "hit"
     expected = fresh(model, tmp_path, tokenizers[0], quantizer=None)
     assert (out / "m.gguf").read_bytes() == expected
@@ -235,4 +253,5 @@ def test_own_quantizers_scales_only_repack_without_retracing(warm_quantized, tok
     art = build(model, out, cache, tokenizers[0], quantizer=None)
     assert ran(art) == {"qparams", *VALUE_STAGES}
     assert art.report["weight_digests"].digest == digests.digest  # a scale is no weight
+    assert packed_shards(art) == 1  # the shard holding o_proj: its quantizer's values
     assert art.report.statuses["capture"] == art.report.statuses["normalize"] == "hit"

@@ -79,12 +79,7 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     ``d = amax / 127`` in float32, codes ``roundf(x * (1 / d))`` (half away from zero) from
     the float32 ``d``; the float16 ``d`` is what the file stores."""
-    blocks = _blocks(x)
-    amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    d = amax / np.float32(127)
-    inv = _inverse(d)
-    codes = _roundf(blocks * inv).astype(np.int8)
-    return codes, d[..., 0].astype(np.float16)
+    return _quantize(x, _q8_0_chunk)
 
 
 def quantize_q4_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -94,19 +89,45 @@ def quantize_q4_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ``d = max / -8`` where ``max`` is the first value of largest magnitude (so ``d`` carries
     its sign and that value is stored as -8), codes ``min(15, trunc(x * (1 / d) + 8.5)) - 8``
     in float32."""
-    blocks = _blocks(x)
-    first = np.abs(blocks).argmax(axis=-1)[..., None]  # the first of equal magnitudes, as ggml
-    peak = np.take_along_axis(blocks, first, axis=-1)
-    d = peak / np.float32(-8)
-    inv = _inverse(d)
-    shifted = np.trunc(blocks * inv + np.float32(8.5))
-    codes = (np.minimum(shifted, np.float32(15)).astype(np.int8)) - np.int8(8)
-    return codes, d[..., 0].astype(np.float16)
+    return _quantize(x, _q4_0_chunk)
 
 
-def _blocks(x: np.ndarray) -> np.ndarray:
+_CHUNK = 8192
+"""Blocks per pass of the quantizers (256K values): each chunk's temporaries stay in cache."""
+
+
+def _quantize(x: np.ndarray, chunk_fn) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(x, dtype=np.float32)
-    return x.reshape(*x.shape[:-1], x.shape[-1] // QK, QK)
+    flat = np.ascontiguousarray(x).reshape(-1, QK)
+    n = flat.shape[0]
+    codes = np.empty((n, QK), dtype=np.int8)
+    d = np.empty(n, dtype=np.float16)
+    work = np.empty((3, min(_CHUNK, n), QK), dtype=np.float32)
+    for start in range(0, n, _CHUNK):
+        block = flat[start : start + _CHUNK]
+        k = block.shape[0]
+        codes[start : start + k], d[start : start + k] = chunk_fn(block, *work[:, :k])
+    shape = (*x.shape[:-1], x.shape[-1] // QK)
+    return codes.reshape(*shape, QK), d.reshape(shape)
+
+
+def _q8_0_chunk(block, t, a, w):
+    np.abs(block, out=a)
+    d = a.max(axis=1, keepdims=True) / np.float32(127)
+    np.multiply(block, _inverse(d), out=t)
+    return _roundf(t, a, w), d[:, 0]
+
+
+def _q4_0_chunk(block, t, a, w):
+    np.abs(block, out=a)
+    first = a.argmax(axis=1)[:, None]  # the first of equal magnitudes, as ggml's loop keeps
+    d = np.take_along_axis(block, first, axis=1) / np.float32(-8)
+    np.multiply(block, _inverse(d), out=t)
+    t += np.float32(8.5)
+    np.trunc(t, out=t)
+    np.minimum(t, np.float32(15), out=t)
+    t -= np.float32(8)
+    return t, d[:, 0]
 
 
 def _inverse(d: np.ndarray) -> np.ndarray:
@@ -114,12 +135,16 @@ def _inverse(d: np.ndarray) -> np.ndarray:
         return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
 
 
-def _roundf(x: np.ndarray) -> np.ndarray:
-    """C's ``roundf``: halves away from zero, exactly (``floor(|x| + 0.5)`` would round
-    0.49999997 up in float32)."""
-    a = np.abs(x)
-    whole = np.floor(a)
-    return np.copysign(whole + np.floor(2 * (a - whole)), x)
+def _roundf(t: np.ndarray, a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """C's ``roundf`` of ``t`` into ``w`` (``a`` is scratch): halves away from zero, exactly
+    (``floor(|x| + 0.5)`` would round 0.49999997 up in float32)."""
+    np.abs(t, out=a)
+    np.floor(a, out=w)
+    a -= w
+    a *= np.float32(2)
+    np.floor(a, out=a)
+    w += a
+    return np.copysign(w, t, out=w)
 
 
 # --------------------------------------------------------------------------- packing

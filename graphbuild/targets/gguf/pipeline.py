@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from functools import partial
 from typing import Any
 
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
@@ -37,6 +38,7 @@ from graphbuild.targets.gguf import blocks, container
 from graphbuild.targets.gguf.adapters import find_adapter, find_config
 from graphbuild.targets.gguf.artifacts import GgufFile, PackedTensors
 from graphbuild.targets.gguf.options import FORMATS, GgufOptions
+from graphbuild.targets.gguf.tensors import SHARDS
 
 #: ``general.quantization_version``: ggml's block layouts as of GGML_QNT_VERSION 2.
 QUANTIZATION_VERSION = 2
@@ -143,36 +145,65 @@ def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
     return values.to_tensors()
 
 
-def pack(inputs: tuple, samples: Any, context: Any) -> tuple:
-    """Every tensor's bytes (see :mod:`.tensors`), and what each became. An output
-    projection whose blocks equal the embedding's is left out: llama.cpp then reads the
-    embedding in its place (a tied embedding is stored once)."""
-    from graphbuild.targets.gguf.tensors import pack_tensors
+def shard_digests(shard: int, inputs: tuple, samples: Any, context: Any) -> dict:
+    """The digests of one packing shard's tensors: it reruns only when one of them changed."""
+    planned, digests = inputs
+    return {e["source"]: digests[e["source"]] for e in planned["tensors"] if e["shard"] == shard}
+
+
+def shard_qparams(shard: int, inputs: tuple, samples: Any, context: Any) -> dict:
+    """The values of the quantizers acting on one packing shard's tensors."""
+    from graphbuild.targets.gguf.tensors import assign_quantizers
+
+    planned, (qmap_doc, _), values = inputs
+    specs = assign_quantizers(planned["tensors"], QuantMap.from_json(qmap_doc), qmap_doc["uses"])
+    mine = {e["source"] for e in planned["tensors"] if e["shard"] == shard}
+    qids = {str(spec.qid) for source, spec in specs.items() if source in mine}
+    return {k: v for k, v in values.items() if k.split(".")[0] in qids}
+
+
+def pack_shard(shard: int, inputs: tuple, samples: Any, context: Any) -> tuple:
+    """One shard's tensors as blocks (see :mod:`.tensors`), and what each became."""
+    from graphbuild.targets.gguf.tensors import assign_quantizers, pack_tensors
 
     planned, digests, *quant = inputs
-    qmap = qvalues = uses = None
+    mine = [e for e in planned["tensors"] if e["shard"] == shard]
+    specs = qvalues = None
     if quant:
         (qmap_doc, _), values = quant
-        qmap, uses = QuantMap.from_json(qmap_doc), qmap_doc["uses"]
+        qmap = QuantMap.from_json(qmap_doc)
+        specs = assign_quantizers(planned["tensors"], qmap, qmap_doc["uses"])
         qvalues = QuantValues.from_tensors(values) if values else QuantValues()
-    packed, report = pack_tensors(
-        planned["tensors"],
+    return pack_tensors(
+        mine,
         host_state(context.input),
         context["quantizer"],
         context["float_type"],
-        qmap,
+        specs,
         qvalues,
         {name: d.rpartition(":")[2] for name, d in digests.items()},
-        uses,
+        group=shard,
     )
+
+
+def pack(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """Every tensor of the file, in the plan's order, and what each became. An output
+    projection whose blocks equal the embedding's is left out: llama.cpp then reads the
+    embedding in its place (a tied embedding is stored once)."""
+    planned, *shards = inputs
+    by_name, report = {}, {}
+    for packed, shard_report in shards:
+        by_name.update(packed.by_name())
+        report.update(shard_report)
+    tensors = [by_name[e["name"]] for e in planned["tensors"]]
     fallback = planned["output_fallback"]
-    if fallback is not None:  # llama.cpp reads the embedding when the output projection is absent
-        by_name = packed.by_name()
+    if fallback is not None:
         output, embedding = (by_name.get(n) for n in fallback)
         if output is not None and embedding is not None and _same(output, embedding):
-            packed = PackedTensors(tuple(t for t in packed.tensors if t is not output))
+            tensors.remove(output)
             report[output.name] = {**report[output.name], "stored_as": embedding.name}
-    return packed, report
+    order = [e["name"] for e in planned["tensors"]]
+    return PackedTensors(tuple(tensors)), {n: report[n] for n in order}
 
 
 def report(inputs: tuple, samples: Any, context: Any) -> dict:
@@ -307,15 +338,26 @@ def build_gguf_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     arch = p.register_stage(arch_metadata, "arch_metadata", reads=()).depends_on(whole)
     digests = p.register_stage(weight_digests, "weight_digests", reads=("input.state",))
     digests.depends_on(planned)
-    packed = p.register_stage(
-        pack, "pack", reads=(UNKEYED_INPUT, "ctx.quantizer", "ctx.float_type")
-    ).depends_on(planned, digests)
+    qmap = values = None
     if opts.quantizer is None:  # the model's own quantizers, as the front end reads them
         cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
         qmap = p.register_stage(normalize, "normalize", reads=("registry.recognizers",))
         qmap.depends_on(cap)
         values = p.register_stage(qparams, "qparams", reads=("input.state",)).depends_on(qmap)
-        packed.depends_on(qmap, values)
+    shards = []
+    for k in range(SHARDS):
+        mine = p.register_stage(partial(shard_digests, k), f"weight_digests_{k}", reads=())
+        mine.depends_on(planned, digests)
+        shard = p.register_stage(
+            partial(pack_shard, k),
+            f"pack_{k}",
+            reads=(UNKEYED_INPUT, "ctx.quantizer", "ctx.float_type"),
+        ).depends_on(planned, mine)
+        if qmap is not None and values is not None:
+            own = p.register_stage(partial(shard_qparams, k), f"qparams_{k}", reads=())
+            shard.depends_on(qmap, own.depends_on(planned, qmap, values))
+        shards.append(shard)
+    packed = p.register_stage(pack, "pack", reads=()).depends_on(planned, *shards)
     summary = p.register_stage(report, "report", reads=()).depends_on(arch, packed)
     words = p.register_stage(vocab, "vocab", reads=("ctx.tokenizer", "ctx.tokenizer_pre"))
     words.depends_on(arch)

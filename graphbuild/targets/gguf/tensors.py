@@ -16,9 +16,12 @@ its GGUF name, shape and whether its rows are permuted (Llama's RoPE). Packing i
   quantizer does it (:mod:`.blocks`), whatever quantizers the model has;
 - any other 2-D weight is ``float_type`` (F16 by default, as llama.cpp's converter).
 
-Packing is incremental within a process: a tensor whose inputs (its state digest, its
-quantizer's grid and values, the mode) are those of the previous call is taken from it,
-neither recomputed nor hashed again (what ``bind`` does for the ONNX formats).
+Packing is incremental. The tensors are spread over :data:`SHARDS` packing stages, each
+keyed by the digests of its own tensors (and its quantizers' values): a weights-only change
+reruns the shards holding a changed tensor, in any process, and the cache gives the others.
+Within a process, a tensor whose inputs (its state digest, its quantizer's grid and values,
+the mode) are those of the shard's previous call is taken from it, neither recomputed nor
+hashed again (what ``bind`` does for the ONNX formats).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from graphbuild.targets.gguf.artifacts import PackedTensor, PackedTensors
 #: The widest grid a block type holds (Q8_0); a weight quantized more finely (a 16-bit grid)
 #: is stored as its fake-quantized values in ``float_type``.
 WIDEST_BLOCK_BITS = 8
+
+#: Packing stages a file's tensors are spread over (see :func:`_assign_shards`).
+SHARDS = 4
 
 #: Bytes of weights above which tensors are packed on a thread each.
 PARALLEL_PACK_BYTES = 8 << 20
@@ -95,7 +101,20 @@ def plan_tensors(
         )
     if not entries:
         raise ExportError("no parameter of the model maps to a GGUF tensor")
+    _assign_shards(entries)
     return entries, left_out
+
+
+def _assign_shards(entries: list[dict[str, Any]]) -> None:
+    """Spread the tensors over :data:`SHARDS` packing stages of about equal bytes (largest
+    first, each to the lightest shard): a weights-only change repacks only the shards whose
+    tensors changed, in any process, and takes the others from the cache."""
+    load = [0] * SHARDS
+    order = sorted(range(len(entries)), key=lambda i: -int(np.prod(entries[i]["shape"])))
+    for i in order:
+        k = min(range(SHARDS), key=lambda j: (load[j], j))
+        entries[i]["shard"] = k
+        load[k] += int(np.prod(entries[i]["shape"]))
 
 
 #: Ops that read a weight as an embedding table (the other uses are products).
@@ -149,26 +168,29 @@ def pack_tensors(
     state: Mapping[str, torch.Tensor],
     preset: str | None,
     float_type: str,
-    qmap: QuantMap | None = None,
+    specs: Mapping[str, QuantSpec] | None = None,
     qvalues: QuantValues | None = None,
     state_digests: Mapping[str, str] | None = None,
-    uses: Mapping[str, Sequence[str]] | None = None,
+    group: int | None = None,
 ) -> tuple[PackedTensors, dict[str, Any]]:
-    """Every planned tensor's bytes, and a report: each tensor's type, and for the model's
-    own quantizers how far float16 moved their scales."""
-    specs = assign_quantizers(plan, qmap, uses or {}) if qmap is not None else {}
+    """The bytes of every tensor of ``plan``, and a report: each tensor's type, and for the
+    model's own quantizers (``specs``: source -> the quantizer acting on it, see
+    :func:`assign_quantizers`) how far float16 moved their scales. ``group`` names the caller
+    (a packing shard) whose previous call's tensors are reused where their inputs match."""
+    specs = specs or {}
     digests = state_digests or {}
     jobs = []
     for entry in plan:
         spec = specs.get(entry["source"])
         qp = qvalues[spec.qid] if spec is not None and qvalues is not None else None
         jobs.append(_Job(entry, state, preset, float_type.upper(), spec, qp, digests))
-    memo = _Memo.entries()
+    memo = _Memo.entries(group)
     todo = [j for j in jobs if j.key is None or j.key not in memo]
     big = sum(j.nbytes for j in todo) >= PARALLEL_PACK_BYTES
     done = dict(zip(todo, parallel_map(_Job.run, todo, parallel=big), strict=True))
     results = [done[j] if j in done else memo[j.key] for j in jobs]
-    _Memo.keep({j.key: r for j, r in zip(jobs, results, strict=True) if j.key is not None})
+    kept = {j.key: r for j, r in zip(jobs, results, strict=True) if j.key is not None}
+    _Memo.keep(group, kept)
     packed = tuple(
         PackedTensor(j.name, ggml, j.shape, data, digest)
         for j, (ggml, data, digest, _) in zip(jobs, results, strict=True)
@@ -327,17 +349,22 @@ def _block_type(spec: QuantSpec, zero: torch.Tensor, where: str) -> blocks.GgmlT
 
 
 class _Memo:
-    """The packed tensors of the last call, by key (one call's worth is kept)."""
+    """The packed tensors of each group's last call, by key (one call's worth is kept)."""
 
     _lock = threading.Lock()
-    _entries: dict[str, _Result] = {}
+    _groups: dict[int | None, dict[str, _Result]] = {}
 
     @classmethod
-    def entries(cls) -> dict[str, _Result]:
+    def entries(cls, group: int | None) -> dict[str, _Result]:
         with cls._lock:
-            return dict(cls._entries)
+            return dict(cls._groups.get(group, {}))
 
     @classmethod
-    def keep(cls, entries: dict[str, _Result]) -> None:
+    def keep(cls, group: int | None, entries: dict[str, _Result]) -> None:
         with cls._lock:
-            cls._entries = entries
+            cls._groups[group] = entries
+
+    @classmethod
+    def clear(cls) -> None:
+        with cls._lock:
+            cls._groups = {}
