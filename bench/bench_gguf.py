@@ -203,7 +203,7 @@ def run(quick: bool, repeat: int) -> dict[str, Any]:
         shutil.rmtree(tmp / f"cache{i}", ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
     cold = best["cold"]["seconds"]
-    for case, result in best.items():
+    for result in best.values():
         result["fraction_of_cold"] = result["seconds"] / cold
     return {
         "model": "llama " + ("quick" if quick else "mid") + f" ({weights / 1e6:.0f}M parameters)",

@@ -17,7 +17,37 @@ from graphbuild.onnx import save as save_module
 from graphbuild.targets.gguf import tensors as tensors_module
 from tests import gguf_models as gm
 
-VALUE_STAGES = ("weight_digests", "pack", "report", "gguf_file")
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_table() -> dict[str, str]:
+    """The README's GGUF rerun table: change -> what reruns."""
+    text = README.read_text()
+    section = text[text.index("## GGUF target") :]
+    lines = section[section.index("| change | reruns |") :].splitlines()[2:]
+    rows = {}
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells[1]
+    return rows
+
+
+TABLE = readme_table()
+
+
+def assert_row(art, change: str) -> None:
+    """The stages that ran are the README's for ``change``: the named stages, and one or
+    every packing shard where it says so."""
+    cell = TABLE[change]
+    names = set() if cell == "nothing" else set(re.findall(r"`([a-z_0-9]+)`", cell))
+    shards = 4 if "every `pack_<k>`" in cell else 1 if "one `pack_<k>`" in cell else 0
+    assert (ran(art), packed_shards(art)) == (names, shards), change
+
+
+def test_the_readme_table_is_read():
+    assert len(TABLE) >= 9 and TABLE["nothing"] == "nothing"
 
 
 @pytest.fixture(autouse=True)
@@ -110,6 +140,7 @@ def test_nothing_changed_reruns_nothing_and_loads_only_the_report(warm, tokenize
     events = []
     art = build(model, out, cache, tokenizers[0], events=events)
     assert set(art.report.statuses.values()) == {"hit"}
+    assert_row(art, "nothing")
     assert {e.stage for e in events if e.kind is EventKind.LOADED} <= {"report"}
     after = (out / "m.gguf").stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
@@ -124,8 +155,7 @@ def test_weights_only_repack_the_changed_tensor_and_copy_the_rest(
     with torch.no_grad():
         model.model.model.layers[1].mlp.down_proj.weight.mul_(1.5)
     art = build(model, out, cache, tokenizers[0])
-    assert ran(art) == set(VALUE_STAGES)  # plan, vocab: hits
-    assert packed_shards(art) == 1  # the shard holding the changed tensor
+    assert_row(art, "weights only")  # one shard: the one holding the changed tensor
     unchanged = tensor_bytes(art) - tensor_bytes(art, {"blk.1.ffn_down.weight"})
     assert sum(copies) == unchanged > 0
     assert (out / "m.gguf").read_bytes() == fresh(model, tmp_path, tokenizers[0])
@@ -153,7 +183,7 @@ def test_a_tokenizer_change_rewrites_the_header_and_copies_every_tensor(
     model, out, cache = warm
     copies.clear()
     art = build(model, out, cache, tokenizers[1])
-    assert ran(art) == {"vocab", "gguf_file"}
+    assert_row(art, "tokenizer")
     assert sum(copies) == tensor_bytes(art)
     assert (out / "m.gguf").read_bytes() == fresh(model, tmp_path, tokenizers[1])
 
@@ -162,7 +192,7 @@ def test_a_metadata_change_reruns_the_file_only(warm, tokenizers, copies, tmp_pa
     model, out, cache = warm
     copies.clear()
     art = build(model, out, cache, tokenizers[0], metadata={"general.author": "someone"})
-    assert ran(art) == {"gguf_file"}
+    assert_row(art, "`metadata`")
     assert sum(copies) == tensor_bytes(art)
     expected = fresh(model, tmp_path, tokenizers[0], metadata={"general.author": "someone"})
     assert (out / "m.gguf").read_bytes() == expected
@@ -171,7 +201,7 @@ def test_a_metadata_change_reruns_the_file_only(warm, tokenizers, copies, tmp_pa
 def test_a_preset_change_repacks_and_keeps_the_plan(warm, tokenizers):
     model, out, cache = warm
     art = build(model, out, cache, tokenizers[0], quantizer="q4_0")
-    assert ran(art) == {"pack", "report", "gguf_file"} and packed_shards(art) == 4
+    assert_row(art, "preset")
 
 
 def test_the_model_name_reruns_the_file_only(warm, tokenizers, tmp_path):
@@ -185,7 +215,7 @@ def test_the_model_name_reruns_the_file_only(warm, tokenizers, tmp_path):
         options=gb.GgufOptions(tokenizer=tokenizers[0], quantizer="q8_0"),
         cache=cache,
     )
-    assert ran(art) == {"gguf_file"}  # general.name is in the file
+    assert_row(art, "model name (`general.name`)")  # general.name is in the file
     assert art.files["gguf"].name == "other.gguf"
 
 
@@ -194,7 +224,7 @@ def test_a_structure_change_reruns_the_plan(warm, tokenizers):
     model.model.config.rms_norm_eps = 1e-5  # llama.cpp reads it: the header changes
     art = build(model, out, cache, tokenizers[0])
     assert "input.structure" in art.report["plan"].reason
-    assert ran(art) == {"plan", "tensor_plan", "arch_metadata", "report", "vocab", "gguf_file"}
+    assert_row(art, "a hyperparameter llama.cpp reads (`rms_norm_eps`)")
     assert art.report.statuses["pack"] == "cutoff"  # the same tensors: tensor_plan cut it off
 
 
@@ -238,8 +268,7 @@ def test_own_quantizers_weights_only_never_retrace(warm_quantized, tokenizers, t
     with torch.no_grad():
         model.model.model.layers[0].mlp.gate_proj.weight.mul_(0.9)
     art = build(model, out, cache, tokenizers[0], quantizer=None)
-    assert ran(art) == {"qparams", *VALUE_STAGES}  # qparams reran, same values: no effect
-    assert packed_shards(art) == 1
+    assert_row(art, "weights only, own quantizers")  # qparams: the same values, no effect
     assert art.report.statuses["capture"] == art.report.statuses["normalize"] == "hit"
     expected = fresh(model, tmp_path, tokenizers[0], quantizer=None)
     assert (out / "m.gguf").read_bytes() == expected
@@ -251,7 +280,6 @@ def test_own_quantizers_scales_only_repack_without_retracing(warm_quantized, tok
     with torch.no_grad():
         model.model.model.layers[1].self_attn.o_proj.weight_quantizer.scale.mul_(1.25)
     art = build(model, out, cache, tokenizers[0], quantizer=None)
-    assert ran(art) == {"qparams", *VALUE_STAGES}
+    assert_row(art, "quantizer scales only")  # the shard holding o_proj
     assert art.report["weight_digests"].digest == digests.digest  # a scale is no weight
-    assert packed_shards(art) == 1  # the shard holding o_proj: its quantizer's values
     assert art.report.statuses["capture"] == art.report.statuses["normalize"] == "hit"
