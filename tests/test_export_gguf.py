@@ -134,7 +134,9 @@ def test_qwens_hold_their_own_tensors_unpermuted_and_the_tied_embedding_once(
     tmp_path, tokenizer_path, kind
 ):
     model = gm.decoder(kind)
-    reader = read(export(model, tmp_path, tokenizer_path, quantizer="q4_0"))
+    art = export(model, tmp_path, tokenizer_path, quantizer="q4_0")
+    assert art.report.extra["coverage"]["stored_once"] == {"output.weight": "token_embd.weight"}
+    reader = read(art)
     meta, found = fields(reader), tensors(reader)
     assert meta["general.architecture"] == kind
     assert meta["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_0)

@@ -130,6 +130,8 @@ def test_repeated_keys_and_tensor_names_are_refused():
         container.header([], [info, info], 32)
     with pytest.raises(ExportError, match="not a valid uint32"):
         container.header([("a", "uint32", -1)], [], 32)
+    with pytest.raises(ExportError, match="longer than llama.cpp's 63 bytes"):
+        container.header([], [container.TensorInfo("x" * 64, (4,), 0, 16)], 32)
 
 
 def test_rope_order_is_llama_cpps_permutation():

@@ -20,9 +20,8 @@ that stages can pass them on as JSON and the bytes depend on nothing but the ent
 
 from __future__ import annotations
 
-import math
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,8 @@ from graphbuild.errors import ExportError
 MAGIC = b"GGUF"
 VERSION = 3
 DEFAULT_ALIGNMENT = 32
+MAX_NAME_BYTES = 63
+"""ggml's GGML_MAX_NAME (64) less the terminating zero."""
 
 #: GGUF value types: id and struct format (``None``: string or array).
 VALUE_TYPES: dict[str, tuple[int, str | None]] = {
@@ -86,10 +87,10 @@ def _value(kind: str, value: Any, key: str) -> bytes:
 def entry_bytes(entry: Entry) -> bytes:
     """One key-value pair as the file holds it."""
     key, kind, value = entry
-    type_id = VALUE_TYPES["array" if kind.startswith("array[") else kind][0] if kind else -1
-    if type_id < 0:
-        raise ExportError(f"GGUF metadata '{key}' has no value type")
-    return string(key) + struct.pack("<I", type_id) + _value(kind, value, key)
+    base = "array" if kind.startswith("array[") else kind
+    if base not in VALUE_TYPES:
+        raise ExportError(f"GGUF metadata '{key}': unknown value type '{kind}'")
+    return string(key) + struct.pack("<I", VALUE_TYPES[base][0]) + _value(kind, value, key)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,11 @@ def header(
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ExportError(f"GGUF tensor names given twice: {', '.join(twice)}")
+    long = [n for n in names if len(n.encode()) > MAX_NAME_BYTES]
+    if long:
+        raise ExportError(
+            f"GGUF tensor name '{long[0]}' is longer than llama.cpp's {MAX_NAME_BYTES} bytes"
+        )
     declared = {e[0]: e[2] for e in entries}.get("general.alignment", DEFAULT_ALIGNMENT)
     if declared != alignment or alignment <= 0 or alignment & (alignment - 1):
         raise ExportError(
@@ -138,29 +144,3 @@ def header(
         offset += t.nbytes + pad(t.nbytes, alignment)
     out += bytes(pad(len(out), alignment))
     return bytes(out), offsets
-
-
-def layout_size(head: bytes, tensors: Sequence[TensorInfo], alignment: int) -> int:
-    """The file's size: header, then each tensor padded to the alignment."""
-    return len(head) + sum(t.nbytes + pad(t.nbytes, alignment) for t in tensors)
-
-
-def check_alignment(alignment: int) -> int:
-    if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
-        raise ExportError(f"GGUF alignment must be a power of two, not {alignment!r}")
-    return alignment
-
-
-def entries_digest_form(entries: Sequence[Entry]) -> list[list[Any]]:
-    """Entries as JSON (tuples as lists) for stage outputs; floats stay floats."""
-    return [[k, t, list(v) if isinstance(v, tuple) else v] for k, t, v in entries]
-
-
-def iter_padding(nbytes: int, alignment: int) -> Iterator[bytes]:
-    n = pad(nbytes, alignment)
-    if n:
-        yield bytes(n)
-
-
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and math.log2(n).is_integer()

@@ -2,23 +2,25 @@
 
 ::
 
-    plan ----------------+-------------------------+-> vocab ---+
-     |                   |                         |            v
-     +-> weight_digests -+-> pack -> report         +------> gguf_file -> [check_numerics]
-                         ^     |                                ^
-    capture -> normalize -> quant_map -> qparams   (the model's own quantizers only)
-                                 +------------------------------+ (pack's tensors)
+    plan -> tensor_plan -> weight_digests -> weight_digests_<k> -> pack_<k> -+-> pack -> report
+      |                                                               ^      |      |
+      |    capture -> normalize -> qparams -> qparams_<k> ------------+      |      v
+      |    (the model's own quantizers only)                                 |  gguf_file
+      +-> arch_metadata -> vocab ---------------------------------------------+------^
+                                                            [check_numerics: the file in llama.cpp]
 
 ``plan`` reads the model's structure: its transformers config picks the architecture
-adapter, which names each parameter for llama.cpp and gives the hyperparameters.
-``weight_digests`` hashes exactly the tensors the file takes; ``pack`` turns them into
-blocks (with the model's own quantizers, read by the front end the QNN target uses: capture,
-normalize, quant map, qparams; or with a preset, which needs no trace at all). ``vocab``
-reads the tokenizer; ``gguf_file`` lays out header and tensors. A weights-only change
-reruns ``weight_digests`` and ``pack`` (which repacks only the tensors whose digest changed
-since its last call in the process) and the file, whose unchanged tensors the placement
-copies from the file it replaces; a tokenizer or metadata change reruns ``vocab`` or
-``gguf_file`` only, and every tensor is copied.
+adapter, which names each parameter for llama.cpp and gives the hyperparameters;
+``tensor_plan`` and ``arch_metadata`` pass on one part each, so a hyperparameter change
+stops before the weights. ``weight_digests`` hashes exactly the tensors the file takes, and
+the tensors are packed into blocks in ``SHARDS`` stages (``pack_<k>``), each keyed by its own
+tensors' digests (``weight_digests_<k>``) and quantizer values (``qparams_<k>``; the model's
+own quantizers are read by the front end the QNN target uses: capture, normalize, qparams; a
+preset needs no trace at all). ``pack`` gathers the shards; ``vocab`` reads the tokenizer;
+``gguf_file`` lays out header and tensors. A weights-only change reruns the shards holding a
+changed tensor (and within a process only that tensor: :mod:`.tensors`), and the placement
+copies every unchanged tensor from the file it replaces; a tokenizer or metadata change
+reruns ``vocab`` or ``gguf_file`` only, and every tensor is copied.
 """
 
 from __future__ import annotations
@@ -223,15 +225,21 @@ def report(inputs: tuple, samples: Any, context: Any) -> dict:
         "summary": summary,
         "architecture": planned["architecture"],
         "types": dict(sorted(types.items())),
-        "tensors": {name: r["type"] for name, r in per_tensor.items()},
+        "tensors": {n: r["type"] for n, r in per_tensor.items() if "stored_as" not in r},
         "left_out": planned["left_out"],
     }
+    tied = {n: r["stored_as"] for n, r in per_tensor.items() if "stored_as" in r}
+    if tied:
+        out["stored_once"] = tied  # llama.cpp reads the embedding in their place
     if moved:
         out["scale_float16_max_rel_change"] = max(moved)
     finer = sorted(name for name, r in per_tensor.items() if "bits" in r)
     if finer:
         out["float_from_quantizers"] = finer  # grids finer than any block type
-        out["summary"] += f"; {len(finer)} finer than 8 bits stored as float"
+        shapes = {t.name: t.shape for t in packed.tensors}
+        weights = [n for n in finer if len(shapes.get(n, ())) > 1]
+        if weights:
+            out["summary"] += f"; {len(weights)} with a grid finer than 8 bits stored as float"
     return out
 
 
