@@ -6,7 +6,9 @@ and the errors that name what cannot be written."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -402,3 +404,32 @@ def test_a_registered_adapter_exports_another_model_type(tmp_path, tokenizer_pat
 def test_an_adapter_for_a_registered_model_type_needs_replace():
     with pytest.raises(ConfigError, match="already registered"):
         register_adapter(ArchAdapter("other", ("llama",), LLAMA.tensors, LLAMA.hparams))
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_the_command_line_exports_a_tiny_qwen2_from_a_config_file(tmp_path, monkeypatch):
+    """``graphbuild export --target gguf`` from a project of one's own: the example factory,
+    a preset from ``[quantization]``, the tokenizer path from ``[options]``."""
+    from typer.testing import CliRunner
+
+    from graphbuild.cli import app
+
+    root = Path(__file__).resolve().parents[1]
+    gm.tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "graphbuild.toml").write_text(
+        f'model = "{root / "examples" / "tiny_gguf.py"}:qwen2"\n'
+        'model_name = "tiny_qwen2"\ntarget = "gguf"\n'
+        '[quantization]\npreset = "q4_0"\n'
+        '[options]\ntokenizer = "tokenizer.json"\nmetadata = {"general.author" = "me"}\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(root))
+    result = CliRunner().invoke(app, ["export", "--no-cache", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert (doc["target"], doc["format"]) == ("gguf", "llama_cpp")
+    assert doc["reports"]["coverage"]["summary"].startswith("15/15 weight matrices quantized")
+    meta = fields(gguf.GGUFReader(tmp_path / "graphbuild-out" / "tiny_qwen2.gguf"))
+    assert meta["general.architecture"] == "qwen2" and meta["general.author"] == "me"
