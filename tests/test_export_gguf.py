@@ -176,6 +176,23 @@ def test_the_vocabulary_is_the_tokenizers(tmp_path, tokenizer_path):
     assert meta["tokenizer.ggml.bos_token_id"] == 0 and meta["tokenizer.ggml.add_bos_token"]
 
 
+def test_a_tokenizer_object_or_directory_gives_the_same_file(tmp_path, tokenizer_path):
+    from transformers import PreTrainedTokenizerFast
+
+    files = set()
+    for i, tok in enumerate(
+        [
+            tokenizer_path,
+            tokenizer_path.parent,
+            gm.tokenizer(),
+            PreTrainedTokenizerFast(tokenizer_object=gm.tokenizer()),
+        ]
+    ):
+        art = export(gm.decoder("llama"), tmp_path / str(i), tok, quantizer="q8_0", tokenizer=tok)
+        files.add(art.files["gguf"].read_bytes())
+    assert len(files) == 1
+
+
 def test_without_a_tokenizer_the_file_says_it_has_no_vocabulary(tmp_path, tokenizer_path):
     with pytest.warns(UserWarning, match="no tokenizer given"):
         art = export(gm.decoder("llama"), tmp_path, None, quantizer="q8_0", tokenizer=None)

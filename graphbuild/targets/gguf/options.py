@@ -24,7 +24,8 @@ _METADATA_VALUE = (str, int, float, bool)
 class GgufOptions:
     """Options of the GGUF export; each becomes one context key that stages declare.
 
-    ``tokenizer``: the model's ``tokenizer.json`` (a path, or a ``tokenizers.Tokenizer``), whose
+    ``tokenizer``: the model's ``tokenizer.json`` (a path or its directory, a
+    ``tokenizers.Tokenizer`` or a transformers fast tokenizer), whose
     vocabulary the file carries; without one the file has none (llama.cpp then runs token ids
     only). ``quantizer``: ``None`` keeps the model's own quantizers (fake-quant, PT2E,
     FastForward, AIMET; per tensor, per channel or blocks of a multiple of 32) with their
@@ -81,7 +82,8 @@ class GgufOptions:
 
 
 def tokenizer_json(tokenizer: Any) -> bytes | None:
-    """The bytes of a ``tokenizer.json``, from a path or a ``tokenizers.Tokenizer``."""
+    """The bytes of a ``tokenizer.json``: from a path (a directory holding one), a
+    ``tokenizers.Tokenizer``, or a transformers fast tokenizer's backend."""
     if tokenizer is None:
         return None
     if isinstance(tokenizer, (bytes, bytearray)):
@@ -97,12 +99,13 @@ def tokenizer_json(tokenizer: Any) -> bytes | None:
                 f"tokenizer {str(tokenizer)!r}: cannot read {path} ({err.strerror or err}); "
                 "name the model's tokenizer.json"
             ) from None
-    to_str = getattr(tokenizer, "to_str", None)
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)  # a transformers fast one
+    to_str = getattr(backend, "to_str", None)
     if callable(to_str):  # a tokenizers.Tokenizer
         return str(to_str()).encode()
     raise ConfigError(
-        f"tokenizer must be a tokenizer.json path or a tokenizers.Tokenizer, not "
-        f"{type(tokenizer).__name__}"
+        "tokenizer must be a tokenizer.json path (or its directory), a tokenizers.Tokenizer "
+        f"or a transformers fast tokenizer, not {type(tokenizer).__name__}"
     )
 
 
