@@ -283,3 +283,13 @@ def test_own_quantizers_scales_only_repack_without_retracing(warm_quantized, tok
     assert_row(art, "quantizer scales only")  # the shard holding o_proj
     assert art.report["weight_digests"].digest == digests.digest  # a scale is no weight
     assert art.report.statuses["capture"] == art.report.statuses["normalize"] == "hit"
+
+
+def test_without_copy_file_range_every_tensor_is_written(warm, tokenizers, monkeypatch, tmp_path):
+    """macOS has no ``os.copy_file_range``: the file is written whole, the same bytes."""
+    model, out, cache = warm
+    monkeypatch.delattr(save_module.os, "copy_file_range")
+    with torch.no_grad():
+        model.model.model.layers[0].mlp.up_proj.weight.mul_(0.5)
+    build(model, out, cache, tokenizers[0])
+    assert (out / "m.gguf").read_bytes() == fresh(model, tmp_path, tokenizers[0])

@@ -376,7 +376,8 @@ class _FileWriter:
 
     def __init__(self, f, sources: _Sources | None):
         self.f = f
-        self.sources = sources if sources is not None and sources.ranges else None
+        copies = hasattr(os, "copy_file_range")  # Linux; elsewhere every tensor is written
+        self.sources = sources if copies and sources is not None and sources.ranges else None
         self.hasher = Hasher()
         self.pos = 0
         self.ranges: list[TensorRange] = []
