@@ -19,7 +19,7 @@ biases, Qwen3 per-head Q/K RMSNorm weights; an absent ``output.weight`` makes ll
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,8 +289,3 @@ def source_prefix(names: Sequence[str], adapter: ArchAdapter) -> str:
             f"({', '.join(p + adapter.anchor for p in found[:4])}): export the causal LM itself"
         )
     return found[0]
-
-
-def describe(adapter: ArchAdapter) -> Mapping[str, Any]:
-    """A short description for reports."""
-    return {"architecture": adapter.name, "model_types": list(adapter.model_types)}
