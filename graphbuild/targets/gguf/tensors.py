@@ -271,7 +271,9 @@ class _Job:
         zero = broadcast_qparam(qp.zero_point.detach().float(), spec, self.shape)
         ggml = _block_type(spec, zero, where)
         snapped = fake_quantize(w.detach().float(), spec, qp)
-        codes = torch.round(snapped / scale).to(torch.int8).numpy()  # q - z: exact (see README)
+        # snapped is s * (q - z) rounded once in float32: for |q - z| <= 128 the quotient is
+        # within 2^-16 of the integer, so rounding recovers the model's codes exactly
+        codes = torch.round(snapped / scale).to(torch.int8).numpy()
         rows = self.shape[0]
         codes = codes.reshape(rows, -1, blocks.QK)
         block_scale = scale.reshape(rows, -1, blocks.QK)[..., 0].contiguous().numpy()
