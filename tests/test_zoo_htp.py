@@ -16,9 +16,10 @@ with onnxruntime's CPU on the same file.
   least 20 dB closer to the CPU's than the CPU's is to the float model, and both are equally
   far (0.5 dB) from the float model.
 
-Default suite: a CNN per preset (both formats) and GPT-2; ``-m slow`` runs the rest. The
-transformers fail today on the diagnosis of issue 18 (branch ``htp`` fixes the export's Q/DQ
-forms): they are ``xfail(strict=True)``, so they fail the suite once they pass, to be unmarked.
+Default suite: a CNN per preset (one through the ``onnx`` format) and GPT-2; ``-m slow`` runs
+the rest. The transformers fail today on the diagnosis of issue 18 (branch ``htp`` fixes the
+export's Q/DQ forms): they are ``xfail(strict=True)``, so they fail the suite once they pass,
+to be unmarked.
 """
 
 from __future__ import annotations
