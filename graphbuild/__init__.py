@@ -15,8 +15,7 @@ from graphbuild.errors import (
     UndeclaredReadError,
     UnknownQuantizerError,
 )
-
-__version__ = "0.1.0"
+from graphbuild.version import __version__ as __version__
 
 __all__ = [
     "Cache",

@@ -20,8 +20,8 @@ from torch import nn
 import graphbuild.cache.store as store_module
 from graphbuild.cache import Cache, FileBlobs
 from graphbuild.cache.local.index import DiskIndex
-from graphbuild.engine.hashing import digest_bytes
 from graphbuild.engine.pipeline import Pipeline
+from graphbuild.hashing import digest_bytes
 from tests.engine_helpers import CALLS, reset, stage
 
 

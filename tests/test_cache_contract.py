@@ -19,8 +19,8 @@ from torch import nn
 
 from graphbuild.cache import ActionIndex, BlobStore, Cache, CorruptBlob, Stores
 from graphbuild.cache.local import open_local
-from graphbuild.engine.hashing import digest_bytes
 from graphbuild.engine.pipeline import Pipeline
+from graphbuild.hashing import digest_bytes
 from tests.engine_helpers import CALLS, reset, stage
 from tests.redis_server import RedisServer
 

@@ -29,9 +29,9 @@ from torch import nn
 import graphbuild as gb
 from graphbuild.cache import Cache, FileBlobs
 from graphbuild.engine.codecs import FileArtifact
-from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.errors import CacheError, ExportError
+from graphbuild.hashing import digest_bytes, digest_json
 from tests.engine_helpers import CALLS, reset, stage
 
 ROOT = Path(__file__).resolve().parents[1]

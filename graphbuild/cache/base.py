@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from graphbuild.engine.hashing import digest_bytes
+from graphbuild.hashing import digest_bytes
 
 
 class StoreUnavailable(OSError):

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from graphbuild.cache.names import is_digest, is_plain_name
-from graphbuild.engine.hashing import digest_json
+from graphbuild.hashing import digest_json
 
 _MAX_DEPTH = 64
 _MAX_COUNT = 2**53  # bytes: far beyond any artifact, and exact as a float

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from graphbuild.engine.hashing import digest_bytes
 from graphbuild.errors import FingerprintError
+from graphbuild.hashing import digest_bytes
 
 __all__ = [
     "class_named_by",

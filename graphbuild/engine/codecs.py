@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphbuild.engine.checking import checking
-from graphbuild.engine.hashing import canonical_json, digest_bytes, digest_json
 from graphbuild.errors import CodecError
+from graphbuild.hashing import canonical_json, digest_bytes, digest_json
 
 if TYPE_CHECKING:
     import torch

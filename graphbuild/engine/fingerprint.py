@@ -38,10 +38,10 @@ from graphbuild.engine.closure import (
     is_own,
     library_version,
 )
-from graphbuild.engine.hashing import Hasher, digest_bytes, digest_json
 from graphbuild.engine.parallel import parallel_map
 from graphbuild.engine.pipeline import FACETS
 from graphbuild.errors import FingerprintError
+from graphbuild.hashing import Hasher, digest_bytes, digest_json
 
 __all__ = [
     "Reading",

@@ -36,7 +36,6 @@ from graphbuild.engine.fingerprint import (
     stage_code_version,
     verify_reused_digests,
 )
-from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.engine.key import stage_key
 from graphbuild.engine.pipeline import UNKEYED_INPUT
 from graphbuild.engine.status import StageStatus
@@ -48,6 +47,7 @@ from graphbuild.errors import (
     StageError,
     UndeclaredReadError,
 )
+from graphbuild.hashing import digest_bytes, digest_json
 
 if TYPE_CHECKING:
     from graphbuild.engine.pipeline import Pipeline, Stage
@@ -238,7 +238,7 @@ def _engine_digest() -> str:
     key means. Each stage's code is keyed by the files it reaches (``stage_code_version``),
     so editing one stage's module reruns that stage, not every stage."""
     root = Path(__file__).parent
-    files = sorted(root.glob("*.py"))
+    files = [*sorted(root.glob("*.py")), root.parent / "hashing.py"]
     return digest_bytes(b"".join(f.read_bytes() for f in files))[:16]
 
 

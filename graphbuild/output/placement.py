@@ -33,10 +33,10 @@ from typing import Any
 from graphbuild.cache import Cache
 from graphbuild.cache.names import is_digest, is_plain_name
 from graphbuild.engine.codecs import FileArtifact
-from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.scheduler import RunReport, toolchain_versions
 from graphbuild.errors import ExportError
+from graphbuild.hashing import digest_bytes, digest_json
 
 LOCK_FILE = "graphbuild.lock.json"
 
