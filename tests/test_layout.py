@@ -21,6 +21,7 @@ TIERS = {
     "version": 0,
     "engine": 1,
     "cache": 1,
+    "quant": 2,
     "frontend": 2,
     "onnx": 3,
     "targets": 4,
@@ -80,7 +81,9 @@ def test_imports_point_down_only() -> None:
 def test_engine_knows_no_torch_export_onnx_or_target() -> None:
     for path in (PACKAGE / "engine").rglob("*.py"):
         for line, module in _imports(path):
-            assert _part(module) in {"engine", "cache", "errors", "hashing"}, f"{path}:{line} {module}"
+            assert _part(module) in {"engine", "cache", "errors", "hashing"}, (
+                f"{path}:{line} {module}"
+            )
 
 
 # Where a target's names may appear: its own package, the registry that lists the built-ins,

@@ -24,7 +24,7 @@ from torch.export.graph_signature import (
 from torch.fx import Node
 
 from graphbuild.errors import ExportError, UnknownQuantizerError
-from graphbuild.frontend.quantmap import ValueRef
+from graphbuild.quant.quantmap import ValueRef
 
 __all__ = [
     "AimetQuantizeDequantizeRecognizer",

@@ -26,8 +26,8 @@ import onnx
 import torch
 
 from graphbuild.errors import ExportError
-from graphbuild.frontend.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.hashing import digest_bytes, digest_json
+from graphbuild.quant.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.encodings.bias import BiasScale, find_int32_biases
 from graphbuild.targets.qnn.encodings.grid import (
     DEFAULT_VERSION,
