@@ -5,8 +5,8 @@ Exports are builds: a DAG of stages, each keyed by what it reads, run only when 
 
 from __future__ import annotations
 
-from graphbuild.cache import Cache
 from graphbuild.engine.pipeline import Pipeline, Stage, StageRef
+from graphbuild.engine.store import Cache
 from graphbuild.errors import (
     ConfigError,
     ExportError,

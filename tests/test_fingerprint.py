@@ -13,7 +13,6 @@ import xxhash
 from torch import nn
 
 import graphbuild.engine.fingerprint as fp
-from graphbuild.cache import Cache
 from graphbuild.engine.fingerprint import (
     callable_version,
     state_digests,
@@ -21,6 +20,7 @@ from graphbuild.engine.fingerprint import (
     tensor_digest,
 )
 from graphbuild.engine.pipeline import Pipeline
+from graphbuild.engine.store import Cache
 from graphbuild.errors import FingerprintError
 from tests.engine_helpers import CALLS, reset, stage, tiny_net
 

@@ -98,14 +98,6 @@ class Encoded:
         }
 
 
-def blob_digests(description: dict[str, Any]) -> list[tuple[str, int]]:
-    """Every (blob digest, size) an artifact description references."""
-    out = [(d, s) for d, s in description["parts"]]
-    for c in description["children"]:
-        out.extend(blob_digests(c))
-    return out
-
-
 class Codec:
     """Base class: ``name``, the ``types`` it handles, ``encode`` and ``decode``."""
 

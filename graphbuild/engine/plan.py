@@ -18,8 +18,8 @@ from graphbuild.engine.scheduler import (
 from graphbuild.engine.status import StageStatus
 
 if TYPE_CHECKING:
-    from graphbuild.cache import Cache
     from graphbuild.engine.pipeline import Pipeline
+    from graphbuild.engine.store import Cache
 
 __all__ = ["explain_plan", "plan", "stage_inputs"]
 

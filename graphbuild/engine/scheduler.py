@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from graphbuild.cache import Cache, CorruptEntry
 from graphbuild.engine import digest_memo
 from graphbuild.engine.checking import check_mode
 from graphbuild.engine.closure import class_named_by, code_closure, name_closure
@@ -39,6 +38,7 @@ from graphbuild.engine.fingerprint import (
 from graphbuild.engine.key import stage_key
 from graphbuild.engine.pipeline import UNKEYED_INPUT
 from graphbuild.engine.status import StageStatus
+from graphbuild.engine.store import Cache, CorruptEntry
 from graphbuild.errors import (
     FingerprintError,
     FingerprintMismatchError,
