@@ -25,7 +25,6 @@ from graphbuild.engine.checking import check_mode
 from graphbuild.engine.closure import class_named_by, code_closure, name_closure
 from graphbuild.engine.codecs import codec_modules, encode, snapshot
 from graphbuild.engine.fingerprint import (
-    _REGISTRIES,
     FACETS,
     InputFacets,
     Reading,
@@ -35,6 +34,7 @@ from graphbuild.engine.fingerprint import (
     stage_code_version,
     verify_reused_digests,
 )
+from graphbuild.engine.fingerprint.registries import _REGISTRIES
 from graphbuild.engine.key import stage_key
 from graphbuild.engine.pipeline import UNKEYED_INPUT
 from graphbuild.engine.status import StageStatus
@@ -238,7 +238,7 @@ def _engine_digest() -> str:
     key means. Each stage's code is keyed by the files it reaches (``stage_code_version``),
     so editing one stage's module reruns that stage, not every stage."""
     root = Path(__file__).parent
-    files = [*sorted(root.glob("*.py")), root.parent / "hashing.py"]
+    files = [*sorted(root.rglob("*.py")), root.parent / "hashing.py"]
     return digest_bytes(b"".join(f.read_bytes() for f in files))[:16]
 
 
