@@ -43,9 +43,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "EventKind": "engine.scheduler",
-    "RunReport": "engine.scheduler",
-    "StageEvent": "engine.scheduler",
+    "EventKind": "engine.events",
+    "RunReport": "engine.events",
+    "StageEvent": "engine.events",
     "StageStatus": "engine.status",
     "ExportArtifacts": "api",
     "ExportRequest": "api",

@@ -23,9 +23,6 @@ from graphbuild.hashing import digest_json
 _MAX_DEPTH = 12
 
 
-# --------------------------------------------------------------------------- values
-
-
 class _Tree(threading.local):
     """The model whose structure is being fingerprinted on this thread: (tensor id ->
     state name, module id -> submodule name, True), empty outside a structure fingerprint."""
