@@ -19,16 +19,15 @@ from typing import Any
 
 import torch
 
-from graphbuild.engine.closure import (
-    code_closure,
+from graphbuild.engine.closure import code_closure, function_files
+from graphbuild.engine.fingerprint.walk import _ACTIVE, _qualname, fingerprint, stable_text
+from graphbuild.engine.sources import (
     file_digest,
     find_file,
-    function_files,
     is_library,
     is_own,
     library_version,
 )
-from graphbuild.engine.fingerprint.walk import _ACTIVE, _qualname, fingerprint, stable_text
 from graphbuild.errors import FingerprintError
 from graphbuild.hashing import digest_bytes, digest_json
 
