@@ -1,4 +1,5 @@
-"""Guards around a running stage: it reads only what it declared, and changes nothing it was handed.
+"""Guards around a running stage: it reads only what it declared, and changes nothing it
+was handed.
 
 :class:`StageContext` is the ``context`` a stage receives, limited to its declared reads;
 :func:`input_tokens` and :func:`check_inputs` take tokens of its inputs before it runs and

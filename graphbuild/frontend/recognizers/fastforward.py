@@ -1,4 +1,5 @@
-"""FastForward's static quantizers in export mode: ``quantize_by_tile`` / ``dequantize_by_tile`` pairs."""
+"""FastForward's static quantizers in export mode: ``quantize_by_tile`` whose users are all
+``dequantize_by_tile`` with the same scale, tiles and offset."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Helpers for recognisers: op names, arguments, where a value lives (public: custom recognisers use them too)."""
+"""Helpers for recognisers: op names, arguments, where a scale or zero point lives.
+
+Public: custom recognisers use them too (:func:`op_parts`, :func:`get_arg`, :func:`value_ref`,
+:func:`int_arg`, ...).
+"""
 
 from __future__ import annotations
 
