@@ -15,8 +15,8 @@ from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
     from graphbuild.api import ExportRequest
+    from graphbuild.engine.events import StageEvent
     from graphbuild.engine.pipeline import Pipeline
-    from graphbuild.engine.scheduler import StageEvent
     from graphbuild.engine.store import Cache
 
 __all__ = [
