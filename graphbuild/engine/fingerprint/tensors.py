@@ -27,6 +27,12 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    return memoryview(_byte_view(t).numpy())
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a flat uint8 tensor on its own device (copied only where ``t`` is
+    not contiguous)."""
     if not t.is_contiguous():
         t = t.contiguous()
     if t.is_quantized or t.layout != torch.strided:
@@ -36,7 +42,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         flat = flat.clone(memory_format=torch.contiguous_format)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy())
+    return flat
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -129,15 +135,7 @@ def _staging_buffer(device: torch.device) -> torch.Tensor:
 
 def _streamed_digest(tensor: torch.Tensor) -> str:
     t = tensor.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()  # on the device
-    if t.is_quantized or t.layout != torch.strided:
-        raise FingerprintError(f"cannot read the bytes of a {t.layout} / quantized tensor")
-    flat = t.reshape(-1)
-    if flat.numel() and flat.stride(0) != 1:  # one element seen through a zero stride
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
+    flat = _byte_view(t)  # on the device
     staging = _staging_buffer(t.device)
     hasher = Hasher()
     for start in range(0, flat.numel(), DEVICE_CHUNK):
