@@ -349,7 +349,7 @@ def test_graph_needs_no_config_file(tmp_path, monkeypatch):
 
 def test_targets_lists_every_target_with_its_formats_and_options():
     doc = {t["target"]: t for t in invoke_json("targets")["targets"]}
-    assert doc["qnn"]["formats"] == ["onnx", "onnx_qdq"]
+    assert doc["qnn"]["formats"] == ["onnx", "onnx_qdq", "context"]
     assert doc["qnn"]["default_format"] == "onnx"
     assert "opset" in doc["qnn"]["options"] and "w8a16" in doc["qnn"]["presets"]
     assert doc["executorch"]["formats"][0] == "xnnpack"
@@ -419,8 +419,8 @@ def test_cache_prune_reports_in_human_sizes(cache_copy):
 
 
 def test_cache_gc_removes_unreferenced_blobs_only(cache_copy):
-    from graphbuild.cache import Cache
-    from graphbuild.engine.hashing import digest_bytes
+    from graphbuild.engine.store import Cache
+    from graphbuild.hashing import digest_bytes
 
     cache = Cache(cache_copy)
     data = b"orphan" * 1000
@@ -523,7 +523,10 @@ def _bad_project(directory: Path, text: str) -> Path:
         ('model = "cli_models.py:raises"\n', "raised RuntimeError: weights not found at /nowhere"),
         ('model = "cli_models.py:boom"\n[options]\nopsett = 1\n', "did you mean 'opset'"),
         ('model = "cli_models.py:boom"\n[options]\nopset = "17"\n', "must be an integer, got '17'"),
-        ('model = "cli_models.py:boom"\nformat = "onnx_xyz"\n', "known: qnn/onnx, qnn/onnx_qdq"),
+        (
+            'model = "cli_models.py:boom"\nformat = "onnx_xyz"\n',
+            "known: qnn/context, qnn/onnx, qnn/onnx_qdq",
+        ),
     ],
 )
 def test_bad_configuration_is_exit_2_with_a_message_not_a_traceback(

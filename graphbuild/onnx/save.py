@@ -26,8 +26,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from graphbuild.engine.hashing import Hasher, digest_bytes
 from graphbuild.errors import ExportError
+from graphbuild.hashing import Hasher, digest_bytes
 from graphbuild.onnx.bind import (
     META_PREFIX,
     BoundModel,

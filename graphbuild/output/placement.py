@@ -32,13 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from graphbuild.cache import Cache
 from graphbuild.cache.names import is_digest, is_plain_name
 from graphbuild.engine.codecs import FileArtifact
-from graphbuild.engine.hashing import digest_bytes, digest_json
+from graphbuild.engine.events import RunReport
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.scheduler import RunReport, toolchain_versions
+from graphbuild.engine.store import Cache
+from graphbuild.engine.toolchain import toolchain_versions
 from graphbuild.errors import ExportError
+from graphbuild.hashing import digest_bytes, digest_json
 
 LOCK_FILE = "graphbuild.lock.json"
 

@@ -79,7 +79,7 @@ def _parts(tensors: Sequence[PackedTensor]) -> list[Part]:
 
 
 def _tensors(meta: Any, parts: Sequence[bytes]) -> tuple[PackedTensor, ...]:
-    from graphbuild.engine.hashing import digest_bytes
+    from graphbuild.hashing import digest_bytes
 
     out = []
     for (name, ggml, shape), data in zip(meta, parts, strict=True):

@@ -34,7 +34,7 @@ from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
 from graphbuild.errors import ConfigError
 from graphbuild.frontend.capture import capture
 from graphbuild.frontend.devices import host_state, model_tensors
-from graphbuild.frontend.quantmap import QuantMap, QuantValues
+from graphbuild.quant.quantmap import QuantMap, QuantValues
 from graphbuild.targets.base import Request, coerce_options
 from graphbuild.targets.gguf import blocks, container
 from graphbuild.targets.gguf.adapters import find_adapter, find_config
@@ -118,8 +118,8 @@ def normalize(inputs: tuple, samples: Any, context: Any) -> tuple:
 def _marker_uses(program: Any) -> dict[str, list[str]]:
     """qid -> the ops that read each quantizer's output (through views), so that a tied
     parameter's quantizer is given to the use it quantizes."""
-    from graphbuild.frontend.markers import is_marker
     from graphbuild.frontend.recognizers import op_name
+    from graphbuild.quant.markers import is_marker
 
     passthrough = {"aten.t.default", "aten.permute.default", "aten.view.default"}
     uses: dict[str, list[str]] = {}

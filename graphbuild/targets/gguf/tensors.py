@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.engine.parallel import parallel_map
 from graphbuild.errors import ExportError
-from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues
+from graphbuild.hashing import digest_bytes, digest_json
 from graphbuild.onnx.fakequant import broadcast_qparam, fake_quantize
+from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.gguf import blocks
 from graphbuild.targets.gguf.adapters import ArchAdapter, source_prefix
 from graphbuild.targets.gguf.artifacts import PackedTensor, PackedTensors

@@ -1,4 +1,6 @@
-"""The QNN pipelines: ``qnn/onnx`` (float ONNX + ``.encodings``) and ``qnn/onnx_qdq``.
+"""The QNN pipelines: ``qnn/onnx`` (float ONNX + ``.encodings``), ``qnn/onnx_qdq`` and
+``qnn/context`` (the QDQ model prepared on QNN's HTP backend: :mod:`.htp_stages`, which also
+adds the HTP check to the others with ``check_htp``).
 
 ::
 
@@ -25,8 +27,8 @@ from graphbuild.errors import ConfigError
 from graphbuild.frontend.capture import as_args, capture
 from graphbuild.frontend.devices import host_state, model_tensors, to_device
 from graphbuild.frontend.programs import ProgramArtifact, strip_state
-from graphbuild.frontend.quantmap import QuantMap, QuantValues
 from graphbuild.frontend.reference import reference_from_model
+from graphbuild.quant.quantmap import QuantMap, QuantValues
 from graphbuild.targets.base import Request, coerce_options
 from graphbuild.targets.qnn.options import FORMATS, QnnOnnxOptions
 
@@ -366,6 +368,7 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     p.reports["coverage"] = cov.name
     p.products = [bound.name, enc.name]
     p.output_files = frozenset({f"{request.model_name}.encodings"})
+    ref = None
     if opts.check_numerics:
         if opts.quantizer is not None:
             ref = p.register_stage(reference_with_tensors, "reference", reads=("samples",))
@@ -376,6 +379,23 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         check_stage = p.register_stage(check, "check_numerics", reads=("samples",))
         check_stage.depends_on(bound, enc, ref, lower)
         p.reports["numerics"] = "check_numerics"
+    if opts.check_htp or fmt == "context":
+        from graphbuild.targets.qnn.htp_stages import add_htp_stages
+
+        if ref is None or opts.quantizer is not None:  # SQNR against the float model
+            ref = p.register_stage(
+                reference_from_model, "float_reference", reads=("input", "samples")
+            )
+        add_htp_stages(
+            p,
+            opts.htp_targets(),
+            fmt=fmt,
+            bound=bound,
+            enc=enc,
+            coverage=cov,
+            reference=ref,
+            model_name=request.model_name,
+        )
     return p
 
 
