@@ -12,7 +12,8 @@ For each model (``tests/zoo.py``, random weights, one preset), after an ``onnx_q
 * **context export**: ``graphbuild export --format context`` cold (empty cache, the whole
   pipeline: capture, PT2E calibration, ONNX, preparation, the EPContext model's run on the
   HTP) and warm (every stage a hit), with the ``prepare_context`` stage's share of the cold
-  export.
+  export (it prepares in a fresh process, for reproducible bytes: the process's start-up
+  is the difference from **prepare**).
 
     python bench/bench_htp.py [--models resnet,mobilenetv3,gpt2] [--preset w8a16]
                               [--repeat 3] [--json]

@@ -5,8 +5,8 @@ Exports are builds: a DAG of stages, each keyed by what it reads, run only when 
 
 from __future__ import annotations
 
-from graphbuild.cache import Cache
 from graphbuild.engine.pipeline import Pipeline, Stage, StageRef
+from graphbuild.engine.store import Cache
 from graphbuild.errors import (
     ConfigError,
     ExportError,
@@ -15,8 +15,7 @@ from graphbuild.errors import (
     UndeclaredReadError,
     UnknownQuantizerError,
 )
-
-__version__ = "0.1.0"
+from graphbuild.version import __version__ as __version__
 
 __all__ = [
     "Cache",
@@ -26,6 +25,7 @@ __all__ = [
     "ExportArtifacts",
     "ExportError",
     "ExportRequest",
+    "GgufOptions",
     "GraphbuildError",
     "Pipeline",
     "PipelineRegistry",
@@ -44,9 +44,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "EventKind": "engine.scheduler",
-    "RunReport": "engine.scheduler",
-    "StageEvent": "engine.scheduler",
+    "EventKind": "engine.events",
+    "RunReport": "engine.events",
+    "StageEvent": "engine.events",
     "StageStatus": "engine.status",
     "ExportArtifacts": "api",
     "ExportRequest": "api",
@@ -56,6 +56,7 @@ _LAZY = {
     "build_default_registry": "targets.registry",
     "QnnOnnxOptions": "targets.qnn",
     "ExecuTorchOptions": "targets.executorch",
+    "GgufOptions": "targets.gguf",
 }
 
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from graphbuild.cache import Cache
+from graphbuild.engine.events import RunReport, StageEvent
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.plan import plan
-from graphbuild.engine.scheduler import RunReport, StageEvent
+from graphbuild.engine.store import Cache
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.output.placement import LOCK_FILE, Placement, json_safe, place_outputs
 from graphbuild.targets.registry import (

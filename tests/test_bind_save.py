@@ -17,7 +17,6 @@ import torch
 from onnx import TensorProto, helper
 
 from graphbuild.errors import ExportError
-from graphbuild.frontend.quantmap import QParams, QuantSpec
 from graphbuild.onnx import fakequant as fakequant_module
 from graphbuild.onnx import save as save_module
 from graphbuild.onnx.bind import BoundModel
@@ -25,6 +24,7 @@ from graphbuild.onnx.fakequant import fake_quantize
 from graphbuild.onnx.lower import QPARAMS_LOCATION
 from graphbuild.onnx.save import materialize, save_model
 from graphbuild.onnx.skeleton import STATE_LOCATION
+from graphbuild.quant.quantmap import QParams, QuantSpec
 
 # -- fake_quantize: bit-exact with torch.fake_quantize_per_{tensor,channel}_affine -----------
 

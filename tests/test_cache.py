@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 import graphbuild.cache.store as store_module
-from graphbuild.cache import Cache, FileBlobs
+from graphbuild.cache import FileBlobs
 from graphbuild.cache.local.index import DiskIndex
-from graphbuild.engine.hashing import digest_bytes
 from graphbuild.engine.pipeline import Pipeline
+from graphbuild.engine.store import Cache
+from graphbuild.hashing import digest_bytes
 from tests.engine_helpers import CALLS, reset, stage
 
 
@@ -250,7 +251,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from graphbuild.cache import Cache
+from graphbuild.engine.store import Cache
 from graphbuild.engine.pipeline import Pipeline
 
 

@@ -32,9 +32,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphbuild.cache import Cache
-from graphbuild.engine.hashing import digest_bytes
+from graphbuild.engine.store import Cache
 from graphbuild.errors import GraphbuildError
+from graphbuild.hashing import digest_bytes
 from tests.test_cache_integrity import export, files_under, redigest
 
 DIGEST_A, DIGEST_0 = "a" * 32, "0" * 32

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphbuild.cache import Cache
 from graphbuild.engine.codecs import FileArtifact, encode
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.scheduler import EventKind
+from graphbuild.engine.store import Cache
 from graphbuild.errors import CodecError, StageError
 from tests.engine_helpers import Recorder
 

@@ -15,9 +15,9 @@ import torch
 
 import graphbuild as gb
 from examples import convnet, tiny_decoder
-from graphbuild.engine import fingerprint
 from graphbuild.engine.codecs import encode
 from graphbuild.engine.fingerprint import state_digests, structure_fingerprint, tensor_digest
+from graphbuild.engine.fingerprint import tensors as fingerprint
 from graphbuild.frontend import devices
 from graphbuild.frontend.capture import capture_program
 from graphbuild.frontend.devices import HostState, on_cpu, to_device

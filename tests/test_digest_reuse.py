@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import graphbuild as gb
-from graphbuild.engine import digest_memo, fingerprint
+from graphbuild.engine import digest_memo
+from graphbuild.engine.fingerprint import tensors as fingerprint
 from graphbuild.errors import FingerprintMismatchError
 from tests.models import FakeQuantConvNet
 

@@ -12,7 +12,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from graphbuild.errors import ExportError
-from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues
+from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.encodings import (
     VERSIONS,
     build_encodings,

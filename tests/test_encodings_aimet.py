@@ -14,8 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphbuild
 from graphbuild.errors import ExportError
-from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 from graphbuild.onnx.lower import lower_markers
+from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.encodings import (
     VERSIONS,
     build_encodings,

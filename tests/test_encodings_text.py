@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues
+from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.encodings import build_encodings, dumps_encodings
 from graphbuild.targets.qnn.encodings import write as write_module
 

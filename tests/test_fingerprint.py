@@ -12,8 +12,7 @@ import torch
 import xxhash
 from torch import nn
 
-import graphbuild.engine.fingerprint as fp
-from graphbuild.cache import Cache
+import graphbuild.engine.fingerprint.tensors as fp
 from graphbuild.engine.fingerprint import (
     callable_version,
     state_digests,
@@ -21,6 +20,7 @@ from graphbuild.engine.fingerprint import (
     tensor_digest,
 )
 from graphbuild.engine.pipeline import Pipeline
+from graphbuild.engine.store import Cache
 from graphbuild.errors import FingerprintError
 from tests.engine_helpers import CALLS, reset, stage, tiny_net
 
@@ -303,7 +303,7 @@ def test_tensor_digest_reads_every_dtype(dtype):
 
 
 def test_parallel_tensor_digests_equal_one_at_a_time(monkeypatch):
-    from graphbuild.engine import fingerprint
+    from graphbuild.engine.fingerprint import tensors as fingerprint
 
     tensors = [torch.randn(1000 + i) for i in range(40)] + [torch.arange(7).t()]
     serial = [fingerprint.tensor_digest(t) for t in tensors]
@@ -312,7 +312,7 @@ def test_parallel_tensor_digests_equal_one_at_a_time(monkeypatch):
 
 
 def test_state_digests_hash_tied_tensors_once_and_name_each(monkeypatch):
-    from graphbuild.engine import fingerprint
+    from graphbuild.engine.fingerprint import tensors as fingerprint
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     model[1].weight = model[0].weight

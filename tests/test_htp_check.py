@@ -35,7 +35,9 @@ def mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
     return model, (torch.randn(2, 16),)
 
 
-def export(out, cache, fmt="onnx_qdq", factory=None, model=None, **options):
+def export(
+    out, cache, fmt="onnx_qdq", factory=None, model=None, check_fingerprints=False, **options
+):
     model, sample = model or mlp()
     options = {"quantizer": "w8a8", "calibration": [sample], "check_htp": True, **options}
     return gb.export(
@@ -47,6 +49,7 @@ def export(out, cache, fmt="onnx_qdq", factory=None, model=None, **options):
         options=gb.QnnOnnxOptions(**options),
         cache=cache,
         pipeline_factory=factory,
+        check_fingerprints=check_fingerprints,
     )
 
 
@@ -173,6 +176,19 @@ def test_the_context_format_writes_the_epcontext_model_and_its_binary(tmp_path):
     (check,) = art.report.extra["htp"]["checks"]
     assert check["ran"] == "the EPContext model" and check["compiled"]
     assert check["outputs"][0]["max_diff_steps"] <= 2
+
+
+def test_a_context_is_the_same_bytes_every_time(tmp_path):
+    """QNN's binary numbers its tensors with counters that run on in a process, and the
+    EPContext node hashes the model's path: preparation runs in a fresh process from a
+    relative path, so recomputing every stage (the fingerprint check) gives the same bytes."""
+    cache = gb.Cache(tmp_path / "cache")
+    first = export(tmp_path / "a", cache, "context")
+    export(tmp_path / "b", cache, "context", check_fingerprints=True)  # raises on a difference
+    for kind in ("context_v81", "context_v81_bin"):
+        assert (
+            first.files[kind].read_bytes() == (tmp_path / "b" / first.files[kind].name).read_bytes()
+        )
 
 
 def test_a_scales_only_retune_reprepares_only_the_context(tmp_path):

@@ -90,7 +90,7 @@ def test_a_rebuilt_file_reports_its_digest_and_where_each_tensor_lies(tmp_path):
     bound = mixed_bound_model()
     (saved,) = write_model(bound, tmp_path / "m.onnx", external_data=False)
     data = saved.path.read_bytes()
-    assert saved.digest == gb.engine.hashing.digest_bytes(data) and saved.size == len(data)
+    assert saved.digest == gb.hashing.digest_bytes(data) and saved.size == len(data)
     w = saved.ranges[0]  # the graph's first reference
     assert data[w.offset : w.offset + w.length] == bound.tensors["w"].tobytes()
 

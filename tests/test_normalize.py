@@ -11,7 +11,6 @@ from torch import nn
 from torch.export import ExportedProgram
 
 from graphbuild.errors import UnknownQuantizerError
-from graphbuild.frontend.markers import MARKER_TARGET, is_marker
 from graphbuild.frontend.normalize import (
     Match,
     collect_qvalues,
@@ -22,7 +21,8 @@ from graphbuild.frontend.normalize import (
     unregister_recognizer,
     value_ref,
 )
-from graphbuild.frontend.quantmap import QuantMap, ValueRef
+from graphbuild.quant.markers import MARKER_TARGET, is_marker
+from graphbuild.quant.quantmap import QuantMap, ValueRef
 
 qd = torch.ops.quantized_decomposed
 

@@ -21,14 +21,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import graphbuild.frontend.markers  # noqa: F401  - registers torch.ops.graphbuild.q
+import graphbuild.quant.markers  # noqa: F401  - registers torch.ops.graphbuild.q
 from graphbuild.errors import ExportError, SkeletonValueError
-from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 from graphbuild.onnx import skeleton as onnx_export
 from graphbuild.onnx.bind import BoundModel, bind
 from graphbuild.onnx.lower import QID_KEY, QPARAMS_LOCATION, ROLE_KEY, lower_markers
 from graphbuild.onnx.save import materialize, save_model
 from graphbuild.onnx.skeleton import STATE_LOCATION, export_skeleton
+from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 
 
 def marker(t: torch.Tensor, qid: int) -> torch.Tensor:
@@ -238,7 +238,7 @@ def test_skeleton_ignores_state_values_and_is_deterministic(conv_skeleton):
 _DETERMINISM_SCRIPT = textwrap.dedent(
     """
     import hashlib, torch, torch.nn as nn, torch.nn.functional as F
-    import graphbuild.frontend.markers
+    import graphbuild.quant.markers
     from graphbuild.onnx.skeleton import export_skeleton
 
     class Net(nn.Module):

@@ -9,9 +9,10 @@ import textwrap
 import pytest
 import torch
 
-from graphbuild.cache import Cache, FileBlobs
+from graphbuild.cache import FileBlobs
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.scheduler import EventKind
+from graphbuild.engine.store import Cache
 from graphbuild.errors import StageError, UndeclaredReadError
 from tests.engine_helpers import CALLS, DECODES, Box, Recorder, reset, stage, tiny_net
 

@@ -1,13 +1,16 @@
-"""Action cache (key -> manifest) and content-addressed blob store, local or shared.
+"""Action cache (key -> manifest) and content-addressed blob store, local or shared: bytes
+and manifests only.
 
 ``base`` holds the two store protocols, ``local`` the cache directory, ``redis`` a Redis
-server, ``layered`` the two together; :class:`Cache` works over any pair.
+server, ``layered`` the two together, ``manifest`` the checks on what is read back;
+:class:`ByteCache` works over any pair and maintains it. Nothing here decodes an artifact:
+the engine's :class:`~graphbuild.engine.store.Cache` (``graphbuild.Cache``) adds that.
 """
 
 from graphbuild.cache.base import ActionIndex, BlobStore, CorruptBlob, Stores, StoreUnavailable
 from graphbuild.cache.local import FileBlobs, default_cache_dir
 from graphbuild.cache.store import (
-    Cache,
+    ByteCache,
     CacheEntry,
     CacheStats,
     CorruptEntry,
@@ -17,7 +20,7 @@ from graphbuild.cache.store import (
 __all__ = [
     "ActionIndex",
     "BlobStore",
-    "Cache",
+    "ByteCache",
     "CacheEntry",
     "CacheStats",
     "CorruptBlob",

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphbuild.cache.base import ActionIndex, BlobStore, CorruptBlob, Stores
-from graphbuild.cache.manifest import InvalidManifest, check_manifest
-from graphbuild.engine.codecs import blob_digests
+from graphbuild.cache.manifest import InvalidManifest, blob_refs, check_manifest
 
 SHARED = ("m:",)
 
@@ -69,7 +68,7 @@ class LayeredIndex:
             manifest = check_manifest(key[len("m:") :], value)
         except InvalidManifest:
             return False
-        return all(self.local_blobs.has(d, s) for d, s in blob_digests(manifest["artifact"]))
+        return all(self.local_blobs.has(d, s) for d, s in blob_refs(manifest["artifact"]))
 
     def get_json(self, key: str) -> dict[str, Any] | None:
         value = self.local.get_json(key)

@@ -2,9 +2,12 @@
 
 A manifest is data written by whoever could write to the cache. Before anything uses it, its
 artifact description is checked against its own digest (the digest is recomputed from the
-codec, meta, part digests and child digests, as :class:`~graphbuild.engine.codecs.Encoded`
-computes it), every part names a digest and a size, and a file artifact's name is a plain
-name. A manifest that fails is corrupt: a miss, never an error, never a path.
+codec, meta, part digests and child digests, as the engine's ``Encoded`` computes it), every
+part names a digest and a size, and a file artifact's name is a plain name. A manifest that
+fails is corrupt: a miss, never an error, never a path.
+
+The description lists every blob the entry holds (:func:`blob_refs`): the cache learns what
+an entry references from its manifest alone, never by decoding the artifact.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import math
 from typing import Any
 
 from graphbuild.cache.names import is_digest, is_plain_name
-from graphbuild.engine.hashing import digest_json
+from graphbuild.hashing import digest_json
 
 _MAX_DEPTH = 64
 _MAX_COUNT = 2**53  # bytes: far beyond any artifact, and exact as a float
@@ -40,7 +43,7 @@ def check_manifest(key: str, manifest: Any) -> dict[str, Any]:
     if not _table_of(manifest.get("codecs", {}), str):
         raise InvalidManifest("'codecs' is not a table of codec versions")
     check_artifact(manifest.get("artifact"))
-    if manifest.get("bytes", 0) != sum(s for _, s in _blobs(manifest["artifact"])):
+    if manifest.get("bytes", 0) != sum(s for _, s in blob_refs(manifest["artifact"])):
         raise InvalidManifest("'bytes' is not the size of its blobs")
     return manifest
 
@@ -123,10 +126,11 @@ def _table_of(value: Any, *kinds: type) -> bool:
     return type(value) is dict and all(type(v) in kinds for v in value.values())
 
 
-def _blobs(description: dict[str, Any]) -> list[tuple[str, int]]:
+def blob_refs(description: dict[str, Any]) -> list[tuple[str, int]]:
+    """Every (blob digest, size) an artifact description references, parts before children."""
     out = [(d, s) for d, s in description["parts"]]
     for c in description["children"]:
-        out.extend(_blobs(c))
+        out.extend(blob_refs(c))
     return out
 
 

@@ -41,8 +41,8 @@ from graphbuild.cache.base import (
     read_only_error,
 )
 from graphbuild.cache.names import is_digest
-from graphbuild.engine.hashing import Hasher
 from graphbuild.errors import CacheError
+from graphbuild.hashing import Hasher
 
 PREFIX = "graphbuild:v1:"
 _INDEX = PREFIX + "i:"

@@ -1,12 +1,17 @@
-"""The cache: an action cache (key -> manifest) over a content-addressed blob store.
+"""The cache as bytes: an action index (key -> manifest) over a content-addressed blob store.
 
-:class:`Cache` works over any pair of stores (:mod:`graphbuild.cache.base`): the local
+:class:`ByteCache` works over any pair of stores (:mod:`graphbuild.cache.base`): the local
 directory, a Redis server, or both layered. Reads verify every manifest against its own digest
 and every blob against its digest; a corrupt or missing entry is counted, removed and treated
 as a miss, never an error. Writes are atomic; a cache that cannot be written (full disk, an
 unreachable server) warns once and the run goes on uncached; a read-only cache (a mounted team
 cache, a CI runner, a consumer of a shared server) is read without a warning and gives hits.
 Explain records and placement stamps are checked for shape: a malformed one is no record.
+
+It knows manifests and blobs, never what an artifact decodes to: which blobs an entry holds
+is read from its manifest (:func:`~graphbuild.cache.manifest.blob_refs`), so maintenance
+(stats, prune, gc, verify) and every backend work without a codec. The engine's
+:class:`~graphbuild.engine.store.Cache` adds the artifacts (encode on store, decode on load).
 """
 
 from __future__ import annotations
@@ -14,28 +19,30 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from graphbuild.cache.base import ActionIndex, CorruptBlob, Stores
+from graphbuild.cache.base import ActionIndex, Stores
 from graphbuild.cache.local import open_local
 from graphbuild.cache.manifest import (
     InvalidManifest,
+    blob_refs,
     check_manifest,
     check_run_record,
 )
-from graphbuild.engine.codecs import Encoded, blob_digests, decode
 from graphbuild.errors import CacheError
 
 __all__ = [
-    "Cache",
+    "ByteCache",
     "CacheEntry",
     "CacheStats",
     "CorruptEntry",
     "MaintenanceReport",
 ]
+
+_C = TypeVar("_C", bound="ByteCache")
 
 _MANIFEST = "m:"
 _LAST = "last:"
@@ -95,10 +102,10 @@ class MaintenanceReport:
         return asdict(self)
 
 
-class Cache:
-    """Action cache + blob store. ``Cache(path)``: the local directory at ``path`` (default
-    :func:`default_cache_dir`); with ``url``, layered over the shared cache there (local
-    first, hits copied down, results pushed up; ``remote_readonly``: never push).
+class ByteCache:
+    """Action cache + blob store. ``ByteCache(path)``: the local directory at ``path``
+    (default :func:`default_cache_dir`); with ``url``, layered over the shared cache there
+    (local first, hits copied down, results pushed up; ``remote_readonly``: never push).
     :meth:`over` builds one over any pair of stores, :meth:`remote` over a shared cache alone
     (for maintenance)."""
 
@@ -118,14 +125,14 @@ class Cache:
         self._attach(stores, size_limit)
 
     @classmethod
-    def over(cls, stores: Stores, size_limit: int | None = None) -> Cache:
+    def over(cls: type[_C], stores: Stores, size_limit: int | None = None) -> _C:
         """A cache over ``stores`` (any index and blob store, :mod:`graphbuild.cache.base`)."""
         cache = cls.__new__(cls)
         cache._attach(stores, size_limit)
         return cache
 
     @classmethod
-    def remote(cls, url: str, *, readonly: bool = False) -> Cache:
+    def remote(cls: type[_C], url: str, *, readonly: bool = False) -> _C:
         """The shared cache at ``url`` alone (``graphbuild cache ... --cache-url``); a
         CacheError when it cannot be reached."""
         from graphbuild.cache.remote import open_remote
@@ -227,7 +234,7 @@ class Cache:
         manifest = self._manifest(key)
         if manifest is None:
             return None
-        blobs = blob_digests(manifest["artifact"])
+        blobs = blob_refs(manifest["artifact"])
         if not all(self.blobs.has(d, s) for d, s in blobs):
             self._discard(key)
             return None
@@ -251,40 +258,42 @@ class Cache:
     def count_miss(self) -> None:
         self._count("misses")
 
-    def load(self, manifest: dict[str, Any]) -> Any:
-        """Decode an entry's artifact, verifying every blob; raises CorruptEntry."""
-        try:
-            return decode(manifest["artifact"], self.blobs.read)
-        except CorruptBlob as err:
-            if self._writable:
-                for digest, _ in blob_digests(manifest["artifact"]):
-                    if digest == err.digest or not self.blobs.verify(digest):
-                        self.blobs.delete(digest)  # every bad part, so a rebuild rewrites them
-            self._discard(manifest["key"])
-            raise CorruptEntry(f"{manifest.get('stage', '?')}: {err}") from err
-        except Exception as err:  # bytes intact but undecodable (an old or foreign format)
-            self._discard(manifest["key"])
-            raise CorruptEntry(
-                f"{manifest.get('stage', '?')}: cannot decode ({type(err).__name__}: {err})"
-            ) from err
+    def drop_corrupt(self, manifest: dict[str, Any], digest: str) -> None:
+        """Forget an entry whose blob ``digest`` read back corrupt: with it, every blob of the
+        entry that fails its digest (so a rebuild rewrites them all)."""
+        if self._writable:
+            for d, _ in blob_refs(manifest["artifact"]):
+                if d == digest or not self.blobs.verify(d):
+                    self.blobs.delete(d)
+        self._discard(manifest["key"])
 
-    def store(self, key: str, encoded: Encoded, record: dict[str, Any]) -> bool:
-        """Write blobs then the manifest; False (with one warning) when the cache is not
-        writable."""
+    def discard(self, manifest: dict[str, Any]) -> None:
+        """Forget an entry whose bytes are intact but useless (undecodable, a foreign format)."""
+        self._discard(manifest["key"])
+
+    def put(
+        self,
+        key: str,
+        artifact: dict[str, Any],
+        blobs: Iterable[tuple[str, bytes | bytearray | memoryview]],
+        record: dict[str, Any],
+    ) -> bool:
+        """Write ``blobs`` ((digest, bytes) of every part ``artifact`` describes), then the
+        manifest; False (with one warning) when the cache is not writable."""
         if not self._writable or self._index is None:
             return False
         now = time.time()
         manifest = {
             **record,
             "key": key,
-            "artifact": encoded.describe(),
-            "bytes": encoded.size,
+            "artifact": artifact,
+            "bytes": sum(size for _, size in blob_refs(artifact)),
             "created": now,
             "last_used": now,
         }
         try:
-            for part in encoded.all_parts():
-                self.blobs.write(part.digest, part.data)
+            for digest, data in blobs:
+                self.blobs.write(digest, data)
             self._index.set_json(_MANIFEST + key, manifest)
         except OSError as err:
             self._write_failed(err)
@@ -397,7 +406,7 @@ class Cache:
         refs: dict[str, int] = {}
         sizes: dict[str, int] = {}
         for m in manifests:
-            for d, s in blob_digests(m["artifact"]):
+            for d, s in blob_refs(m["artifact"]):
                 refs[d] = refs.get(d, 0) + 1
                 sizes[d] = s
         on_disk = {d: s for d, s, _ in self.blobs.all()}
@@ -413,7 +422,7 @@ class Cache:
             if not index.delete(_MANIFEST + m["key"]):
                 continue  # gone already (another process pruned it)
             report.removed_entries += 1
-            for d, _ in blob_digests(m["artifact"]):
+            for d, _ in blob_refs(m["artifact"]):
                 refs[d] -= 1
                 if refs[d] == 0:
                     total -= sizes[d]
@@ -429,7 +438,7 @@ class Cache:
         report = self._report()
         if self.quarantined is not None:
             return report  # an empty fresh index references nothing: keep the blobs for now
-        referenced = {d for m in self._manifests() for d, _ in blob_digests(m["artifact"])}
+        referenced = {d for m in self._manifests() for d, _ in blob_refs(m["artifact"])}
         now = time.time()
         for digest, _size, mtime in list(self.blobs.all()):
             if digest not in referenced and now - mtime >= grace:
@@ -477,7 +486,7 @@ class Cache:
                 if repair and self._remove_entry(k):
                     report.removed_entries += 1
                 continue
-            blobs = blob_digests(m["artifact"])
+            blobs = blob_refs(m["artifact"])
             broken = [d for d, s in blobs if d in bad or not self.blobs.has(d, s)]
             if broken:
                 report.corrupt.append(f"entry {m['key']} ({m.get('stage', '?')})")
@@ -507,7 +516,7 @@ class Cache:
         if self.size_limit is None or not self._writable or not self.marked:
             return None
         if self.stores.local is not None:
-            return Cache.over(self.stores.local, self.size_limit).enforce_limit()
+            return ByteCache.over(self.stores.local, self.size_limit).enforce_limit()
         if self.size() <= self.size_limit:
             return None
         return self.prune(max_bytes=self.size_limit)
@@ -516,7 +525,7 @@ class Cache:
         self.stores.close()
 
     def __repr__(self) -> str:
-        return f"Cache({self.location!r})"
+        return f"{type(self).__name__}({self.location!r})"
 
 
 def _with_remote(local: Stores, url: str, readonly: bool) -> Stores:

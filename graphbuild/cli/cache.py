@@ -31,7 +31,7 @@ from graphbuild.config import Config
 from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
-    from graphbuild.cache import Cache, MaintenanceReport
+    from graphbuild.engine.store import Cache, MaintenanceReport
 
 __all__ = ["cache_app"]
 
@@ -97,7 +97,7 @@ def _cache(
     cache_dir: Path | None, config: Path | None, url: str | None = None, *, repair: bool = True
 ) -> Cache:
     """The local cache, or with ``url`` the shared one; ``repair=False``: look only."""
-    from graphbuild.cache import Cache
+    from graphbuild.engine.store import Cache
 
     if url is not None:
         if cache_dir is not None:

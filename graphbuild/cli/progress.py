@@ -14,7 +14,7 @@ from rich.text import Text
 from graphbuild.engine.status import StageStatus
 
 if TYPE_CHECKING:
-    from graphbuild.engine.scheduler import RunReport, StageEvent
+    from graphbuild.engine.events import RunReport, StageEvent
 
 __all__ = ["Progress"]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphbuild.engine.checking import checking
-from graphbuild.engine.hashing import canonical_json, digest_bytes, digest_json
 from graphbuild.errors import CodecError
+from graphbuild.hashing import canonical_json, digest_bytes, digest_json
 
 if TYPE_CHECKING:
     import torch
@@ -96,14 +96,6 @@ class Encoded:
             "parts": [[p.digest, p.size] for p in self.parts],
             "children": [c.describe() for c in self.children],
         }
-
-
-def blob_digests(description: dict[str, Any]) -> list[tuple[str, int]]:
-    """Every (blob digest, size) an artifact description references."""
-    out = [(d, s) for d, s in description["parts"]]
-    for c in description["children"]:
-        out.extend(blob_digests(c))
-    return out
 
 
 class Codec:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from graphbuild.engine.hashing import digest_json
+from graphbuild.hashing import digest_json
 
 KEY_SCHEMA = 1
 

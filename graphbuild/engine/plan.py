@@ -1,5 +1,9 @@
 """Planning: what an export would run and why, without running anything (the public API
-behind ``graphbuild status`` and ``graphbuild explain``)."""
+behind ``graphbuild status`` and ``graphbuild explain``).
+
+The planner reads keys (:class:`~graphbuild.engine.keying.Keys`) and the cache's index, never
+a stage: as Build Systems à la Carte keeps the scheduler apart from the rebuilder, nothing
+here can run one (:mod:`~graphbuild.engine.scheduler` does)."""
 
 from __future__ import annotations
 
@@ -7,21 +11,53 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from graphbuild.engine.scheduler import (
-    StageRecord,
-    _Run,
-    _State,
-    explain_changes,
-    plan_reads,
-    plan_status,
-)
+from graphbuild.engine.events import RunReport, StageRecord
+from graphbuild.engine.explain import explain_changes, stale_reason
+from graphbuild.engine.keying import Keys
 from graphbuild.engine.status import StageStatus
 
 if TYPE_CHECKING:
-    from graphbuild.cache import Cache
     from graphbuild.engine.pipeline import Pipeline
+    from graphbuild.engine.store import Cache
 
-__all__ = ["explain_plan", "plan", "stage_inputs"]
+__all__ = ["explain_plan", "plan", "plan_status", "stage_inputs"]
+
+
+def plan_status(
+    pipeline: Pipeline,
+    pipeline_input: Any,
+    samples: Any,
+    *,
+    context: Mapping[str, Any],
+    cache: Cache | None,
+    run_id: str = "pipeline",
+) -> RunReport:
+    """What a run would do, without running anything: each stage ``hit`` or ``dirty`` with
+    the reason. A stage downstream of a dirty one is ``maybe``: whether it reruns depends on
+    the upstream output (early cutoff)."""
+    keys = Keys(pipeline, pipeline_input, samples, context, cache, run_id)
+    for name in keys.order:
+        st = keys.begin(name)
+        deps = pipeline.dependencies(name)
+        if any(
+            keys.states[d].record.status in (StageStatus.DIRTY, StageStatus.MAYBE) for d in deps
+        ):
+            st.record.status = StageStatus.MAYBE
+            st.record.reason = "depends on a dirty stage (reruns unless its output is unchanged)"
+            continue
+        key = keys.compute_key(name)
+        st.record.key = key
+        manifest = cache.lookup(key, count=False) if cache is not None and key else None
+        stale = keys.stale_codecs(manifest) if manifest is not None else []
+        if stale:
+            st.record.status, st.record.reason = StageStatus.DIRTY, stale_reason(stale)
+            continue
+        if manifest is not None:
+            st.record.status, st.record.digest = StageStatus.HIT, manifest["artifact"]["digest"]
+            continue
+        st.record.status = StageStatus.DIRTY
+        st.record.reason, st.record.changes = keys.why(name, key)
+    return RunReport(run_id, [keys.states[n].record for n in keys.order])
 
 
 #: Each stage ``hit``, ``dirty`` (with the reason) or ``maybe`` (downstream of a dirty stage:
@@ -46,16 +82,15 @@ def explain_plan(
     planned_run = plan(
         pipeline, pipeline_input, samples, context=context, cache=cache, run_id=run_id
     )
-    run = _Run(pipeline, pipeline_input, samples, context, cache, (), (), run_id)
+    keys = Keys(pipeline, pipeline_input, samples, context, cache, run_id)
     out = []
     for planned in planned_run.stages:
         name = planned.name
-        record = StageRecord(name, planned.status, planned.key, digest=planned.digest)
-        run.states[name] = _State(record, plan_reads(pipeline, name, context))
+        keys.begin(name, StageRecord(name, planned.status, planned.key, digest=planned.digest))
         if only is not None and name != only:
             continue
-        run.compute_key(name)
-        now = run._snapshot(name)
+        keys.compute_key(name)
+        now = keys.snapshot(name)
         last = cache.last_run(run_id, name)
         pending = [
             d
@@ -101,12 +136,12 @@ def stage_inputs(
     Nothing runs and no cache is read. For the same model, samples and options these are
     the same in every process (DESIGN.md, invariant 10): compare them to find a read that
     is not."""
-    run = _Run(pipeline, pipeline_input, samples, context, None, (), (), "plan")
+    keys = Keys(pipeline, pipeline_input, samples, context, None, "plan")
     out: dict[str, dict[str, Any]] = {}
-    for name in run.order:
-        run.states[name] = _State(StageRecord(name), plan_reads(pipeline, name, context))
-        run.compute_key(name)
-        st = run.states[name]
+    for name in keys.order:
+        keys.begin(name)
+        keys.compute_key(name)
+        st = keys.states[name]
         out[name] = {
             "code": st.code or f"uncacheable: {st.code_error}",
             "reads": {

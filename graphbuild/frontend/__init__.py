@@ -1,5 +1,6 @@
-"""The torch.export front end: capture, PT2E quantization, quantizer normalization to
-markers, and the quant map that ties markers to their values."""
+"""The torch.export front end: capture, PT2E quantization, and quantizer normalization to
+markers described by a quant map (both in :mod:`graphbuild.quant`, below front ends and
+formats)."""
 
 from graphbuild.engine.fingerprint import register_registry
 

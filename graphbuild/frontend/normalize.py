@@ -34,8 +34,6 @@ from torch.fx import Graph, Node
 
 from graphbuild.compat import new_program
 from graphbuild.errors import ExportError, UnknownQuantizerError
-from graphbuild.frontend.markers import MARKER_TARGET, is_marker
-from graphbuild.frontend.quantmap import QuantMap, QuantSpec
 from graphbuild.frontend.qvalues import collect_qvalues, fixed_values, qvalues_from
 from graphbuild.frontend.recognizers import (
     VALUE_HELPERS,
@@ -57,6 +55,8 @@ from graphbuild.frontend.recognizers import (
     unregister_recognizer,
     value_ref,
 )
+from graphbuild.quant.markers import MARKER_TARGET, is_marker
+from graphbuild.quant.quantmap import QuantMap, QuantSpec
 
 __all__ = [
     "CachemaskRecognizer",

@@ -29,7 +29,7 @@ from graphbuild.engine.codecs import (
     tensor_tokens,
 )
 from graphbuild.errors import CodecError
-from graphbuild.frontend import markers  # noqa: F401  - registers graphbuild::q for deserialization
+from graphbuild.quant import markers  # noqa: F401  - registers graphbuild::q for deserialization
 
 __all__ = [
     "ProgramArtifact",

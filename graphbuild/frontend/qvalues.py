@@ -17,8 +17,8 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from graphbuild.errors import ExportError
-from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues, ValueRef
 from graphbuild.frontend.recognizers import aten_name, get_arg, stored_tensor
+from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues, ValueRef
 
 __all__ = [
     "VALUE_OPS",

@@ -26,10 +26,9 @@ from onnx_ir import tensor_adapters
 
 from graphbuild.engine.checking import checking, reused_mismatch
 from graphbuild.engine.fingerprint import tensor_digest
-from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.engine.parallel import parallel_map
 from graphbuild.errors import ExportError
-from graphbuild.frontend.quantmap import QParams, QuantMap, QuantSpec, QuantValues
+from graphbuild.hashing import digest_bytes, digest_json
 from graphbuild.onnx.fakequant import broadcast_qparam, fake_quantize
 from graphbuild.onnx.lower import (
     QID_KEY,
@@ -40,6 +39,7 @@ from graphbuild.onnx.lower import (
     dtype_range,
 )
 from graphbuild.onnx.skeleton import STATE_LOCATION
+from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 
 _LOCATIONS = (STATE_LOCATION, QPARAMS_LOCATION)
 META_PREFIX = "graphbuild."

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from graphbuild.engine.codecs import Codec, Encoded, Part, array_token, register_codec
-from graphbuild.engine.hashing import digest_bytes
+from graphbuild.hashing import digest_bytes
 from graphbuild.onnx.bind import BoundModel, array_bytes
 
 

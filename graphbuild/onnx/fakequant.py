@@ -12,7 +12,7 @@ import math
 import torch
 
 from graphbuild.errors import ExportError
-from graphbuild.frontend.quantmap import QParams, QuantSpec
+from graphbuild.quant.quantmap import QParams, QuantSpec
 
 _FQ_BLOCK = 1 << 18
 """Elements per block of :func:`_fake_quantize_blocked` (its passes stay in cache)."""

@@ -38,10 +38,10 @@ import onnx
 import onnx_ir as ir
 
 from graphbuild.errors import ExportError
-from graphbuild.frontend.markers import MARKER_DOMAIN, MARKER_OP
-from graphbuild.frontend.quantmap import QuantMap, QuantSpec
 from graphbuild.onnx.naming import Namer
 from graphbuild.onnx.skeleton import STATE_LOCATION
+from graphbuild.quant.markers import MARKER_DOMAIN, MARKER_OP
+from graphbuild.quant.quantmap import QuantMap, QuantSpec
 
 FORMATS = ("onnx", "onnx_qdq")
 QPARAMS_LOCATION = "graphbuild:qparams"

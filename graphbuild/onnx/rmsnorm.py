@@ -17,7 +17,7 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
-from graphbuild.frontend.markers import MARKER_DOMAIN
+from graphbuild.quant.markers import MARKER_DOMAIN
 
 __all__ = ["NATIVE_OPSET", "ONNXRUNTIME_OP", "name_rms_norms", "translation_table"]
 

@@ -21,10 +21,10 @@ from torch.utils import _pytree as pytree
 
 from graphbuild.compat import onnx_registry_reused
 from graphbuild.errors import ExportError, SkeletonValueError
-from graphbuild.frontend import markers
 from graphbuild.onnx.naming import fresh_name
 from graphbuild.onnx.passes import drop_zero_biases, fold_constant_casts, split_sequences
 from graphbuild.onnx.rmsnorm import name_rms_norms, translation_table
+from graphbuild.quant import markers
 
 STATE_LOCATION = "graphbuild:state"
 """External-data location of a skeleton initializer that stands for a parameter or buffer."""

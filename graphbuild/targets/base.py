@@ -2,7 +2,7 @@
 
 A target (``qnn``, ``executorch``, or one a user registers) is a ``Target`` value: its name,
 formats, options dataclass, the ``[options]`` keys a config file may set and their types, the
-quantizer preset names it knows, and the function that builds its pipeline. ``config.py``
+quantizer preset names it knows, and the function that builds its pipeline. ``config``
 validates ``[options]`` against ``config_schema``, ``ExportRequest`` turns whatever options it
 is given into ``options_type`` with ``make_options``, and ``graphbuild targets`` lists them.
 

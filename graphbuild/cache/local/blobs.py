@@ -22,7 +22,7 @@ from pathlib import Path
 from graphbuild.cache.base import CorruptBlob, checked_blob, read_only_error
 from graphbuild.cache.local.fs import Dir, ForeignPath, is_dir_entry, is_file_entry
 from graphbuild.cache.names import is_digest
-from graphbuild.engine.hashing import Hasher
+from graphbuild.hashing import Hasher
 
 _CHUNK = 8 << 20
 _SHARD = re.compile(r"[0-9a-f]{2}")

@@ -25,7 +25,7 @@ import onnx
 import torch
 
 from graphbuild.errors import CoverageError
-from graphbuild.frontend.quantmap import QuantMap, QuantSpec, QuantValues
+from graphbuild.quant.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.aten_view import UNSUPPORTED
 from graphbuild.targets.qnn.htp import CONFIG_NAME, GraphView, OpNode, Plan, TensorRule, plan
 from graphbuild.targets.qnn.onnx_view import onnx_view

@@ -124,7 +124,11 @@ def check_htp(
     target = HtpTarget(htp_arch, soc_model)
     with tempfile.TemporaryDirectory(prefix="graphbuild-htp-") as tmp:
         path = _write_model(model, Path(tmp))
-        check = check_model(path, _feeds(path, samples), target, reference=_ordered(reference))
+        # by its bytes where it has no external data: what QNN names after the model's path
+        # (its messages, its partitions) is then the same in every run
+        external = path.with_name(path.name + ".data").exists()
+        source = path if external else path.read_bytes()
+        check = check_model(source, _feeds(path, samples), target, reference=_ordered(reference))
     return check.to_json()
 
 
@@ -132,8 +136,9 @@ def prepare_context(
     inputs: tuple, samples: Any, context: Any, *, htp_arch: str, soc_model: str
 ) -> tuple[FileArtifact, list[FileArtifact], dict[str, Any]]:
     """The QDQ model prepared for one HTP target: (EPContext model, context binaries, what
-    QNN took). A model QNN refuses fails here, with QNN's reasons."""
-    from graphbuild.targets.qnn.htp_runtime import prepare_context as prepare
+    QNN took), in a fresh process so the bytes are the same every time. A model QNN refuses
+    fails here, with QNN's reasons."""
+    from graphbuild.targets.qnn.htp_runtime import prepare_context_isolated as prepare
 
     (bound,) = inputs
     target = HtpTarget(htp_arch, soc_model)

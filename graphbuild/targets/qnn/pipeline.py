@@ -27,8 +27,8 @@ from graphbuild.errors import ConfigError
 from graphbuild.frontend.capture import as_args, capture
 from graphbuild.frontend.devices import host_state, model_tensors, to_device
 from graphbuild.frontend.programs import ProgramArtifact, strip_state
-from graphbuild.frontend.quantmap import QuantMap, QuantValues
 from graphbuild.frontend.reference import reference_from_model
+from graphbuild.quant.quantmap import QuantMap, QuantValues
 from graphbuild.targets.base import Request, coerce_options
 from graphbuild.targets.qnn.options import FORMATS, QnnOnnxOptions
 

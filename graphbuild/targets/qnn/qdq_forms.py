@@ -40,7 +40,6 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from graphbuild.frontend.quantmap import QuantMap
 from graphbuild.onnx.lower import (
     QID_KEY,
     QPARAMS_LOCATION,
@@ -51,6 +50,7 @@ from graphbuild.onnx.lower import (
 from graphbuild.onnx.naming import Namer
 from graphbuild.onnx.passes import FLOAT_TYPES
 from graphbuild.onnx.skeleton import STATE_LOCATION
+from graphbuild.quant.quantmap import QuantMap
 from graphbuild.targets.qnn.htp_config import GRID_PRESERVING
 
 __all__ = ["MOVEMENT_OPS", "apply_htp_forms"]

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from graphbuild.frontend.quantmap import QuantSpec
 from graphbuild.onnx.lower import QID_KEY
+from graphbuild.quant.quantmap import QuantSpec
 from graphbuild.targets.qnn.encodings.grid import weight_axes
 from graphbuild.targets.qnn.htp_config import GRID_PRESERVING
 

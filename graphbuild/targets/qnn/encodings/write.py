@@ -25,9 +25,9 @@ import numpy as np
 import onnx
 import torch
 
-from graphbuild.engine.hashing import digest_bytes, digest_json
 from graphbuild.errors import ExportError
-from graphbuild.frontend.quantmap import QuantMap, QuantSpec, QuantValues
+from graphbuild.hashing import digest_bytes, digest_json
+from graphbuild.quant.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.encodings.bias import BiasScale, find_int32_biases
 from graphbuild.targets.qnn.encodings.grid import (
     DEFAULT_VERSION,
@@ -35,6 +35,7 @@ from graphbuild.targets.qnn.encodings.grid import (
     check_version,
     full_grid,
 )
+from graphbuild.version import __version__
 
 __all__ = ["build_encodings", "dumps_encodings"]
 
@@ -168,9 +169,7 @@ def _most_common_bits(quantizers: Sequence[_Quantizer]) -> int:
 
 
 def _producer() -> dict[str, str]:
-    import graphbuild
-
-    return {"package": "graphbuild", "version": graphbuild.__version__}
+    return {"package": "graphbuild", "version": __version__}
 
 
 def _resolve(spec: QuantSpec, values: QuantValues, names: Mapping[int, str]) -> _Quantizer:

@@ -18,7 +18,8 @@ This module is the one place graphbuild talks to it:
   quantized activation forced to the CPU's value;
 - :func:`check_model`: all of the above for one model, as one JSON-able report;
 - :func:`prepare_context`: the model prepared for one target as a deployable context (the
-  EPContext ONNX model and the QNN context binary beside it).
+  EPContext ONNX model and the QNN context binary beside it); :func:`prepare_context_isolated`
+  the same with reproducible bytes (a fresh process, a relative path).
 
 ORT's CPU run is at ``ORT_ENABLE_BASIC``: at its default level onnxruntime's QDQ fusions
 mis-type some w8a8 models ("output_dtype INT8 does not match y_zero_point type UINT8").
@@ -55,6 +56,7 @@ from graphbuild.targets.qnn.htp_runtime.errors import (
     HtpUnavailableError,
 )
 from graphbuild.targets.qnn.htp_runtime.forced import ForcedComparison, forced_comparison
+from graphbuild.targets.qnn.htp_runtime.isolated import prepare_context_isolated
 from graphbuild.targets.qnn.htp_runtime.partition import CpuNode, FloatOp, PartitionReport
 from graphbuild.targets.qnn.htp_runtime.session import HtpSession, ModelSource, open_session
 
@@ -79,13 +81,14 @@ __all__ = [
     "availability",
     "backend_versions",
     "check_model",
+    "compare_with_cpu",
     "context_binaries",
     "forced_comparison",
     "grid_steps",
-    "compare_with_cpu",
     "open_session",
     "output_steps",
     "prepare_context",
+    "prepare_context_isolated",
     "require_backend",
     "run_cpu",
 ]

@@ -51,8 +51,10 @@ class HtpSession:
         return [o.name for o in self.session.get_outputs()]
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The model's outputs by name."""
-        results = self.session.run(None, dict(feeds))
+        """The model's outputs by name (what QNN logs meanwhile kept off the process's
+        output: a session built verbose to read QNN's reasons stays verbose)."""
+        with captured_output():
+            results = self.session.run(None, dict(feeds))
         return dict(zip(self.output_names, results, strict=True))
 
 

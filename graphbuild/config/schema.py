@@ -1,0 +1,102 @@
+"""The keys a configuration may hold and their types; a problem is a ConfigError naming the key.
+
+graphbuild's own keys, the ``[quantization]`` and ``[cache]`` tables, the options targets let
+the top level set, and the configured target's ``[options]`` schema.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from graphbuild.errors import ConfigError
+from graphbuild.targets.base import BOOL, STR, OptionType
+from graphbuild.targets.registry import DEFAULT_TARGET, all_targets, get_target
+
+_TABLE = OptionType("a table", lambda v: isinstance(v, dict))
+
+_TOP: dict[str, OptionType] = {
+    "model": STR,
+    "samples": STR,
+    "calibration": STR,
+    "target": STR,
+    "format": STR,
+    "model_name": STR,
+    "output_dir": STR,
+    "cache_dir": STR,
+    "cache": _TABLE,
+    "quantization": _TABLE,
+    "options": _TABLE,
+}
+_QUANTIZATION: dict[str, OptionType] = {"preset": STR, "quantizer": STR}
+# [cache]: dir (as cache_dir), url (a shared cache: redis://host:port/db), readonly (read the
+# shared cache, or the directory when no url is given, and never write it)
+_CACHE: dict[str, OptionType] = {"dir": STR, "url": STR, "readonly": BOOL}
+_TABLES: dict[str, dict[str, OptionType]] = {"quantization": _QUANTIZATION, "cache": _CACHE}
+
+
+def _top_keys() -> dict[str, OptionType]:
+    """The top-level keys: graphbuild's own, and the options that targets let a config file
+    set at its top level (``Target.top_level_options``; every target's, for a shared file)."""
+    keys = dict(_TOP)
+    for target in all_targets():
+        for key in target.top_level_options:
+            keys.setdefault(key, target.config_schema[key])
+    return keys
+
+
+def _option_targets(key: str) -> list[str]:
+    """The targets whose ``[options]`` know ``key``."""
+    return [t.name for t in all_targets() if key in t.config_schema]
+
+
+def _suggest(key: str, known: Iterable[str]) -> str:
+    known = sorted(known)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"{hint} Known keys: {', '.join(known)}"
+
+
+def _describe(value: Any) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
+    kinds.update({list: "a list", dict: "a table"})
+    return f"{value!r} ({kinds.get(type(value), type(value).__name__)})"
+
+
+def _validate(table: Mapping[str, Any], where: str) -> None:
+    """Unknown keys and wrong types, each a ConfigError naming the key and its table. The
+    ``[options]`` table is checked against the configured target's schema."""
+    top = _top_keys()
+    for key, value in table.items():
+        if key not in top:
+            owners = _option_targets(key)
+            if owners:
+                raise ConfigError(
+                    f"{where}: '{key}' is not a top-level key; it is an option of target(s) "
+                    f"{', '.join(owners)}: put it in [options] ({key} = ...)"
+                )
+            raise ConfigError(f"{where}: unknown top-level key '{key}'{_suggest(key, top)}")
+        _check_type(key, value, top[key], where)
+    for key, value in table.items():  # tables once every key has its type ("target" a string)
+        if key in _TABLES or key == "options":
+            schema = _TABLES[key] if key != "options" else _target_schema(table, where)
+            for sub, subvalue in value.items():
+                if sub not in schema:
+                    raise ConfigError(
+                        f"{where}: unknown key '{sub}' in [{key}]{_suggest(sub, schema)}"
+                    )
+                _check_type(f"{key}.{sub}", subvalue, schema[sub], where)
+
+
+def _target_schema(table: Mapping[str, Any], where: str) -> Mapping[str, OptionType]:
+    name = table.get("target", DEFAULT_TARGET)
+    try:
+        return get_target(name).config_schema
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def _check_type(key: str, value: Any, expected: OptionType, where: str) -> None:
+    if not expected.accepts(value):
+        raise ConfigError(f"{where}: '{key}' must be {expected.label}, got {_describe(value)}")

@@ -1,0 +1,146 @@
+"""Guards around a running stage: it reads only what it declared, and changes nothing it
+was handed.
+
+:class:`StageContext` is the ``context`` a stage receives, limited to its declared reads;
+:func:`input_tokens` and :func:`check_inputs` take tokens of its inputs before it runs and
+compare them after (DESIGN.md, invariant 9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from graphbuild.engine.codecs import encode, snapshot
+from graphbuild.engine.fingerprint import input_token
+from graphbuild.errors import (
+    InputMutationError,
+    UndeclaredReadError,
+)
+
+
+class StageContext(Mapping[str, Any]):
+    """The ``context`` a stage receives: the pipeline context, limited to what the stage
+    declared it reads (an undeclared key raises :class:`UndeclaredReadError`).
+
+    The first undeclared read is also kept in ``violation``: the scheduler fails the stage
+    even when the stage caught the error (``UndeclaredReadError`` is a ``KeyError``, and
+    ``except KeyError: default`` would otherwise turn it into a silent stale hit)."""
+
+    def __init__(
+        self,
+        stage: str,
+        values: Mapping[str, Any],
+        allowed: set[str] | None,
+        declared: tuple[str, ...],
+        pipeline_input: Any = None,
+        input_allowed: bool = False,
+    ):
+        self.stage = stage
+        self._values = values
+        self._allowed = allowed
+        self._declared = declared
+        self._input = pipeline_input
+        self.input_allowed = input_allowed
+        self.violation: UndeclaredReadError | None = None
+
+    def _refuse(self, read: str) -> None:
+        err = UndeclaredReadError(self.stage, read, self._declared)
+        if self.violation is None:
+            self.violation = err
+        raise err
+
+    def _check(self, key: str) -> None:
+        if self._allowed is not None and key not in self._allowed:
+            self._refuse(f"ctx.{key}")
+
+    def __getitem__(self, key: str) -> Any:
+        self._check(key)
+        return self._values[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        # Mapping.get would catch the KeyError an undeclared read raises
+        self._check(key)
+        return self._values.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        self._check(key)
+        return key in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        allowed = self._allowed
+        return iter([k for k in self._values if allowed is None or k in allowed])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @property
+    def input(self) -> Any:
+        """The pipeline input (the model); only for stages that declare an input read."""
+        if not self.input_allowed:
+            self._refuse("input")
+        return self._input
+
+
+@dataclass(frozen=True)
+class InputToken:
+    """What a stage was handed (an upstream output, the samples, the model) and a token of
+    its contents before the stage ran."""
+
+    source: str
+    what: str
+    value: Any
+    token: Any
+
+
+def input_tokens(
+    deps: list[str], inputs: Any, samples: Any, model: Any, model_allowed: bool, full: bool
+) -> list[InputToken]:
+    """Tokens of what a stage is handed and must not change, taken before it runs: its
+    upstream outputs (their contents, bytes included), the sample inputs, and the model
+    when the stage can reach it (cheaply: tensor identities and version counters; with
+    ``full``, check mode, also a digest of every tensor)."""
+    tokens = [  # a root stage's inputs are the model itself
+        InputToken(dep, f"the output of '{dep}'", value, snapshot(value))
+        for dep, value in zip(deps, inputs if deps else (), strict=True)
+    ]
+    tokens.append(InputToken("samples", "the sample inputs", samples, snapshot(samples)))
+    if not deps or model_allowed:
+        tokens.append(InputToken("input", "the model", model, input_token(model, full=full)))
+    return tokens
+
+
+def check_inputs(
+    name: str,
+    before: list[InputToken],
+    full: bool,
+    recorded: Callable[[str], str | None],
+) -> None:
+    """Inputs are read-only (DESIGN.md, invariant 9): a stage that changed what it was
+    handed in place fails, naming itself and what it changed. With ``full`` (check mode)
+    every upstream output is also re-encoded and must still have the digest its upstream
+    recorded (``recorded(stage)``)."""
+    for token in before:
+        if token.token is None:
+            continue
+        if token.source == "input":
+            now = input_token(token.value, full=full)
+        else:
+            now = snapshot(token.value)
+        if now != token.token:
+            raise InputMutationError(name, token.source, what=token.what)
+    if not full:
+        return
+    for token in before:
+        if token.source in ("input", "samples"):
+            continue
+        if encode(token.value).digest != recorded(token.source):
+            raise InputMutationError(
+                name,
+                token.source,
+                "left its input with a different digest than it was given",
+                what=token.what,
+            )

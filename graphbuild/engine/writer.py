@@ -1,0 +1,53 @@
+"""The background cache writer: a run's outputs stored on one thread, in the order they ran."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from graphbuild.engine.store import Cache
+
+
+class CacheWriter:
+    """Stores stage outputs in the cache on one background thread, in the order they ran, so
+    writing a large artifact overlaps the stages after it (and the placing of the files).
+
+    Each store is what ``Cache.store`` makes it (blobs, then the manifest, each atomic); a
+    value is stored as encoded when its stage returned (its parts are views of the value,
+    which no later stage may change: invariant 9). :meth:`finish` waits for every store and
+    raises the first error one raised (a cache that cannot be written is a warning, as
+    before, not an error)."""
+
+    def __init__(self, cache: Cache):
+        self.cache = cache
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, key: str, encoded: Any, record: dict[str, Any]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._work, name="graphbuild-cache-writer", daemon=True
+            )
+            self._thread.start()
+        self._queue.put((key, encoded, record))
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # after a failure, nothing more is stored
+            try:
+                self.cache.store(*item)
+            except BaseException as err:  # surfaced by finish(), in the caller's thread
+                self._error = err
+
+    def finish(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
