@@ -1,8 +1,9 @@
 """Qualcomm's own tooling accepts graphbuild's QNN exports: aimet-onnx 2.42 with its
 ``htp_v81`` configuration loads the encodings of every zoo model strictly (1.0.0, 0.6.1 and
-2.0.0) and imports the ``onnx_qdq`` model strictly, but for what AIMET has no quantizer for:
-the HTP's int16 requantization in front of a 16-bit second MatMul input (``qdq_forms``), each
-checked to be the very grid of the quantizer before it.
+2.0.0) and imports the ``onnx_qdq`` model strictly: as it is with the qnn option
+``matmul_int16_requantize = false``, and by default once the one thing AIMET has no quantizer
+for is bypassed: the HTP's int16 requantization in front of a 16-bit second MatMul input
+(``qdq_forms``), each checked to be the very grid of the quantizer before it.
 
 Needs the ``interop`` extra (``pip install -e ".[interop]"``); skipped without it.
 """
@@ -128,6 +129,29 @@ def test_aimet_imports_the_qdq_model_strictly(name, preset, zoo_cache):
     model, requantized = without_matmul_requantizations(onnx.load(art.files["onnx"]))
     if activation_type == "int8" or name in ("resnet", "mobilenetv3", "convbias", "poolhead"):
         assert requantized == 0
+    sim = QuantizationSimModel.from_onnx_qdq(
+        model,
+        strict=True,
+        param_type=param_type,
+        activation_type=activation_type,
+        config_file=CONFIG,
+        path=tempfile.mkdtemp(prefix="aimet_sim_"),
+    )
+    enabled = [q for q in sim.qc_quantize_op_dict.values() if q.enabled]
+    assert enabled and all(q.is_initialized() for q in enabled)
+
+
+@pytest.mark.parametrize(("name", "preset"), cases())
+def test_aimet_imports_the_qdq_model_without_int16_requantization_strictly_as_it_is(
+    name, preset, zoo_cache
+):
+    """``matmul_int16_requantize = false`` writes the QDQ model AIMET's sim represents: it
+    takes the file as written, nothing bypassed."""
+    art = export_zoo(name, preset, "onnx_qdq", zoo_cache, matmul_int16_requantize=False)
+    model = onnx.load(art.files["onnx"])
+    _, requantized = without_matmul_requantizations(onnx.load(art.files["onnx"]))
+    assert requantized == 0
+    param_type, activation_type = TYPES[preset]
     sim = QuantizationSimModel.from_onnx_qdq(
         model,
         strict=True,

@@ -148,6 +148,19 @@ def test_a_16_bit_symmetric_second_matmul_input_is_requantized_to_int16_zero_poi
     assert producer(formed, q.input[0]).op_type == "DequantizeLinear"  # after the Transpose's
 
 
+def test_without_the_int16_requantization_every_activation_is_unsigned_and_exact():
+    """``matmul_int16_requantize=False``: the MatMul reads the Transpose's requantization
+    (its input's encoding, unsigned) directly, and no number changes."""
+    model = attention_like()
+    formed = apply_htp_forms(model, matmul_int16_requantize=False)
+    zeros = [init(formed, n.input[2]) for n in nodes_of(formed, "QuantizeLinear")]
+    assert zeros and all(z.dtype == np.uint16 for z in zeros)
+    (scores,) = [n for n in nodes_of(formed, "MatMul") if n.output[0] == "scores_raw"]
+    q = producer(formed, producer(formed, scores.input[1]).input[0])
+    assert q.op_type == "QuantizeLinear" and producer(formed, q.input[0]).op_type == "Transpose"
+    np.testing.assert_array_equal(run(formed, X)[0], run(model, X)[0])
+
+
 def test_an_asymmetric_16_bit_second_input_is_not_requantized():
     model = attention_like()
     for i in model.graph.initializer:
@@ -224,23 +237,32 @@ class KeysAndNorm(nn.Module):
         return self.norm(scores.transpose(1, 2).reshape(1, 8, 16))
 
 
-@pytest.fixture(scope="module")
-def preset_export(tmp_path_factory):
+def export_keys(out, directory: str = "out", **options) -> gb.ExportArtifacts:
     torch.manual_seed(0)
     model = KeysAndNorm().eval()
     sample = (torch.randn(1, 8, 16),)
-    out = tmp_path_factory.mktemp("forms")
+    calibration = [sample, (torch.randn(1, 8, 16),)]
     return gb.export(
         model,
         sample,
-        out / "out",
+        out / directory,
         "keys",
         format="onnx_qdq",
         options=gb.QnnOnnxOptions(
-            quantizer="w8a16", calibration=[sample, (torch.randn(1, 8, 16),)], check_numerics=True
+            quantizer="w8a16", calibration=calibration, check_numerics=True, **options
         ),
         cache=out / "cache",
     )
+
+
+@pytest.fixture(scope="module")
+def forms_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("forms")
+
+
+@pytest.fixture(scope="module")
+def preset_export(forms_dir):
+    return export_keys(forms_dir)
 
 
 def test_a_preset_export_carries_the_forms(preset_export):
@@ -284,3 +306,24 @@ def test_a_preset_export_keeps_its_coverage_and_encodings(preset_export):
     coverage = preset_export.report.extra["coverage"]
     assert coverage["float"] == [] and coverage["extra"] == [], coverage["summary"]
     assert coverage["mismatched"] == [], coverage["mismatched"]
+
+
+def test_turning_the_int16_requantization_off_relowers_and_leaves_every_activation_unsigned(
+    preset_export, forms_dir
+):
+    """The option is part of the lowering's key: calibration and the structure before it stay
+    hits; the model then has no signed activation and agrees with torch as closely."""
+    off = export_keys(forms_dir, "out-off", matmul_int16_requantize=False)
+    status = {s.name: s.status.value for s in off.report.stages}
+    assert status["lower_markers"] == "ran"
+    assert status["capture"] != "ran" and status["quantize"] != "ran"
+    model = onnx.load(off.files["onnx"])
+    activations = [
+        n for n in nodes_of(model, "QuantizeLinear") if not n.input[0].endswith("weight")
+    ]
+    assert activations
+    assert {init(model, n.input[2]).dtype for n in activations} == {np.dtype(np.uint16)}
+    assert len(nodes_of(model, "QuantizeLinear")) < len(
+        nodes_of(onnx.load(preset_export.files["onnx"]), "QuantizeLinear")
+    )
+    assert off.report.extra["numerics"]["forced"]["max_error_steps"] <= 2

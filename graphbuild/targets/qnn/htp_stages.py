@@ -110,7 +110,10 @@ def qdq_from_encodings(inputs: tuple, samples: Any, context: Any) -> onnx.ModelP
     from graphbuild.targets.qnn.qdq_forms import apply_htp_forms
 
     bound, enc_file = inputs
-    return apply_htp_forms(insert_qdq(materialize(bound), json.loads(enc_file.data)))
+    return apply_htp_forms(
+        insert_qdq(materialize(bound), json.loads(enc_file.data)),
+        matmul_int16_requantize=context["matmul_int16_requantize"],
+    )
 
 
 def check_htp(
@@ -326,7 +329,9 @@ def add_htp_stages(
     else:
         model = bound
         if fmt == "onnx":
-            model = p.register_stage(qdq_from_encodings, "qdq_from_encodings", reads=())
+            model = p.register_stage(
+                qdq_from_encodings, "qdq_from_encodings", reads=("ctx.matmul_int16_requantize",)
+            )
             model.depends_on(bound, enc)
         for t in targets:
             checks.append(

@@ -32,6 +32,12 @@ class QnnOnnxOptions:
     ``soc_model`` (QNN's SoC id; default: the arch's), reports what QNN took and compares its
     outputs with onnxruntime's CPU. The ``context`` format prepares a QNN context binary for
     each of them.
+    ``matmul_int16_requantize`` (QDQ models: ``onnx_qdq``, ``context`` and the QDQ the HTP
+    check rebuilds for ``onnx``) requantizes a 16-bit symmetric second MatMul input to int16
+    just before the MatMul, the form the HTP's 16x16 MatMul computes right (see
+    :mod:`.qdq_forms`); ``False`` leaves it out, for tools that import the QDQ model strictly
+    (AIMET's quantization sim has no quantizer there), at the cost of that product's accuracy
+    on the HTP.
     """
 
     opset: int = 21
@@ -48,6 +54,7 @@ class QnnOnnxOptions:
     check_htp: bool = False
     htp_arch: str | Sequence[str] | None = None
     soc_model: str | Sequence[str] | None = None
+    matmul_int16_requantize: bool = True
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -105,6 +112,7 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "int32_bias": BOOL,
     "strict_coverage": BOOL,
     "check_htp": BOOL,
+    "matmul_int16_requantize": BOOL,
     "htp_arch": OptionType(
         "a string or a list of strings",
         lambda v: isinstance(v, str) or STRS.accepts(v),

@@ -158,7 +158,10 @@ def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
     skeleton, (qmap, _) = inputs
     quant_map = QuantMap.from_json(qmap)
     lowered, names = lower_markers(skeleton, quant_map, "onnx_qdq")
-    return apply_htp_forms(lowered, quant_map), {str(q): n for q, n in sorted(names.items())}
+    formed = apply_htp_forms(
+        lowered, quant_map, matmul_int16_requantize=context["matmul_int16_requantize"]
+    )
+    return formed, {str(q): n for q, n in sorted(names.items())}
 
 
 def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
@@ -346,7 +349,9 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         to_onnx, "to_onnx", reads=("ctx.opset", "ctx.input_names", "ctx.output_names")
     ).depends_on(graph)
     lower = p.register_stage(
-        lower_onnx if fmt == "onnx" else lower_qdq, "lower_markers", reads=()
+        lower_onnx if fmt == "onnx" else lower_qdq,
+        "lower_markers",
+        reads=() if fmt == "onnx" else ("ctx.matmul_int16_requantize",),
     ).depends_on(onnx, qmap)
     bind_values = qp
     if fmt == "onnx":  # only weight scales reach the float graph (snapped weights)

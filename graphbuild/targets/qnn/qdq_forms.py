@@ -14,6 +14,9 @@ four forms differ from what the lowering writes by itself:
    int16 and zero point 0 it agrees (3 steps). Where that input is symmetric it is requantized
    to int16 just before the MatMul (a QNN Convert; the grid is the same, so the values are).
    An asymmetric one has no exact int16 form (QNN refuses int16 with a non-zero zero point).
+   ``matmul_int16_requantize=False`` (the qnn option of that name) leaves the requantization
+   out: AIMET's quantization sim has no quantizer for it and imports the model strictly only
+   without it; the HTP's product is then as far off as above.
 3. **Data movement keeps the consumer quantized.** A Reshape, Transpose, Split, Gather...
    between a DequantizeLinear and its reader leaves that reader float on QNN. Each float
    output of such an op gets QuantizeLinear -> DequantizeLinear with its input's encoding
@@ -67,12 +70,14 @@ def apply_htp_forms(
     qmap: QuantMap | None = None,
     *,
     movement: Collection[str] = MOVEMENT_OPS,
+    matmul_int16_requantize: bool = True,
 ) -> onnx.ModelProto:
     """``model`` (a QDQ model) in the forms the HTP runs fully quantized (see the module).
     ``qmap`` says which data-less quantizers are parameters and which are symmetric; without
-    it only quantizers whose zero points hold data are judged."""
+    it only quantizers whose zero points hold data are judged. ``matmul_int16_requantize``
+    adds form 2; without it every activation is on the unsigned grid."""
     ir_model = ir.serde.deserialize_model(model)
-    _Forms(ir_model.graph, qmap).run(movement)
+    _Forms(ir_model.graph, qmap).run(movement, matmul_int16_requantize)
     return ir.serde.serialize_model(ir_model)
 
 
@@ -91,10 +96,11 @@ class _Forms:
         self.namer = Namer(graph)
         self.signed_zero_points: dict[str, ir.Value] = {}  # zero point -> its int16 twin
 
-    def run(self, movement: Collection[str]) -> None:
+    def run(self, movement: Collection[str], matmul_int16_requantize: bool) -> None:
         self._requantize_movement(movement)
-        self._signed_matmul_inputs()
-        self._unsigned_activations()
+        if matmul_int16_requantize:
+            self._signed_matmul_inputs()
+        self._unsigned_activations(keep_matmul_signed=matmul_int16_requantize)
         self._int32_layernorm_biases()
 
     # -- what a value is --------------------------------------------------------------------
@@ -228,7 +234,9 @@ class _Forms:
 
     # -- 1. unsigned activations ------------------------------------------------------------
 
-    def _unsigned_activations(self) -> None:
+    def _unsigned_activations(self, *, keep_matmul_signed: bool) -> None:
+        """Signed activation zero points to the unsigned container; with
+        ``keep_matmul_signed`` not those read by second MatMul inputs alone (form 2's)."""
         done: set[str] = set()
         for node in list(self.graph):
             if node.op_type != "QuantizeLinear" or node.domain != "" or len(node.inputs) < 3:
@@ -238,7 +246,8 @@ class _Forms:
                 continue
             if not zero.is_initializer() or self._is_parameter(zero, node):
                 continue
-            if zero.dtype == ir.DataType.INT16 and _feeds_second_matmul_inputs(zero):
+            int16 = zero.dtype == ir.DataType.INT16
+            if keep_matmul_signed and int16 and _feeds_second_matmul_inputs(zero):
                 continue
             done.add(zero.name or "")
             self._to_unsigned(zero)
