@@ -187,13 +187,18 @@ def export(
 
 def _report_lines(extra: Mapping[str, Any]) -> list[str]:
     """One line per report an export made (coverage, delegation, numerics), for people, and
-    a warning line per degenerate calibrated range."""
+    a warning line per degenerate calibrated range and per tensor in a known HTP defect."""
     lines = []
     coverage = extra.get("coverage")
     if isinstance(coverage, Mapping):
         lines.append(f"coverage   {coverage.get('summary', '')}")
         for entry in coverage.get("degenerate", []):
             lines.append(f"warning    '{entry.get('tensor')}': {entry.get('why')}")
+        for entry in coverage.get("htp_defects", []):
+            lines.append(
+                f"warning    '{entry.get('tensor')}': {entry.get('reason')}; "
+                f"reproduced by {entry.get('reproduction')}"
+            )
     delegation = extra.get("delegation")
     if isinstance(delegation, Mapping):
         lines.append(

@@ -264,6 +264,12 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
     )
     for entry in report["degenerate"]:
         warnings.warn(f"coverage: '{entry['tensor']}': {entry['why']}", stacklevel=2)
+    for entry in report["htp_defects"]:
+        warnings.warn(
+            f"coverage: '{entry['tensor']}': {entry['reason']}; reproduced by "
+            f"{entry['reproduction']}",
+            stacklevel=2,
+        )
     if context["strict_coverage"]:
         check_coverage(report)
     return report
