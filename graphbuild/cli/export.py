@@ -30,7 +30,7 @@ from graphbuild.cli.options import (
     load_cli_config,
     open_cache,
 )
-from graphbuild.cli.output import emit_json, make_console
+from graphbuild.cli.output import display_path, emit_json, make_console
 from graphbuild.cli.progress import Progress
 from graphbuild.cli.status import show_status
 from graphbuild.errors import ConfigError, StageError
@@ -164,7 +164,7 @@ def export(
             }
         )
         return
-    if quiet:
+    if quiet:  # for scripts, like --json: absolute paths
         for path in files.values():
             console.print(path, markup=False)
         return
@@ -172,7 +172,7 @@ def export(
     for line in _report_lines(report.extra):
         console.print(Text(f"  {line}"))
     for kind, path in files.items():
-        console.print(Text(f"  {kind:<10} {path}"))
+        console.print(Text(f"  {kind:<10} {display_path(path)}"))
 
 
 def _report_lines(extra: Mapping[str, Any]) -> list[str]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
 from typing import Any
 
 import torch
@@ -30,9 +33,31 @@ def capture_program(
     same as the CPU model's, whatever device the model and the samples live on."""
     with on_cpu(model):
         args = to_device(as_args(samples), "cpu")
-        program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
+        program = export_quietly(model, args, dynamic_shapes)
     strip_stack_traces(program)
     return roundtrip(ProgramArtifact(strip_state(program), has_state=False))
+
+
+def export_quietly(
+    model: torch.nn.Module, args: tuple, dynamic_shapes: Any = None
+) -> torch.export.ExportedProgram:
+    """``torch.export.export``, except that the partial graph torch prints to stderr when a
+    trace fails is not printed (twice, dozens of lines before the error): it stays on the
+    exception as ``partial_fx_graph``. Anything else written to stderr meanwhile is passed on."""
+    printed = io.StringIO()
+    graph = None
+    try:
+        with contextlib.redirect_stderr(printed):
+            return torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
+    except Exception as err:
+        graph = getattr(err, "partial_fx_graph", None)
+        raise
+    finally:
+        text = printed.getvalue()
+        if graph is not None:
+            text = text.replace(f"{graph}\n", "")
+        if text:
+            sys.stderr.write(text)
 
 
 def capture(model: torch.nn.Module, samples: Any, context: Any) -> ProgramArtifact:
