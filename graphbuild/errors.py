@@ -88,6 +88,11 @@ class ExportError(GraphbuildError):
     """An export request that cannot be honoured (unknown target, bad model name...)."""
 
 
+class ArgumentTypeError(ExportError, TypeError):
+    """An argument of the Python API of the wrong type (``output_directory=7``): the message
+    names the argument, what it takes and what it got, before any stage runs."""
+
+
 class UnknownQuantizerError(ExportError):
     """A quantization op in the graph that no recogniser handles."""
 

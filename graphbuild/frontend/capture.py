@@ -60,6 +60,45 @@ def export_quietly(
             sys.stderr.write(text)
 
 
+def dynamic_shapes_of(program: torch.export.ExportedProgram) -> tuple | None:
+    """The ``dynamic_shapes`` that trace a program again with the same dynamic dimensions:
+    one entry per user input, ``{dim: Dim(name, min, max)}`` for each dimension the program
+    keeps symbolic (one ``Dim`` per symbol, so dimensions that must agree still do), None when
+    every dimension is static. A re-export without it (after PT2E conversion) would
+    specialise every dimension to the sample inputs' sizes."""
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    dims: dict[str, Any] = {}
+    shapes: list[dict[int, Any] | None] = []
+    for spec in program.graph_signature.input_specs:
+        if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT:
+            continue
+        value = placeholders[spec.arg.name].meta.get("val")
+        entry = {}
+        for index, size in enumerate(getattr(value, "shape", ())):
+            if not isinstance(size, torch.SymInt):
+                continue
+            expr = size.node.expr
+            if str(expr) not in dims:
+                bounds = program.range_constraints.get(expr)
+                if bounds is None or not expr.is_Symbol:
+                    dims[str(expr)] = torch.export.Dim.AUTO  # derived: torch works it out
+                else:
+                    dims[str(expr)] = torch.export.Dim(
+                        f"d_{expr}", min=_bound(bounds.lower), max=_bound(bounds.upper)
+                    )
+            entry[index] = dims[str(expr)]
+        shapes.append(entry or None)
+    return tuple(shapes) if dims else None
+
+
+def _bound(value: Any) -> int | None:
+    """A range constraint's bound as an int; None for an unbounded one."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 def capture(model: torch.nn.Module, samples: Any, context: Any) -> ProgramArtifact:
     """The ``capture`` stage every target shares: one callable, so one cache entry per model
     and sample spec whichever target asks for it."""
