@@ -356,15 +356,14 @@ def test_the_readme_example_keeps_dynamic_dims_under_int8_static(tmp_path, monke
     )
     program = Runtime.get().load_program((tmp_path / "out" / "model.pte").read_bytes())
     assert set(program.method_names) == {"forward", "encode", "max_batch"}
+    generator = torch.Generator().manual_seed(3)
     for batch in (1, 5, 16):
-        x = torch.randn(batch, 8)
-        (out,) = program.load_method("forward").execute([x])
+        x = torch.randn(batch, 8, generator=generator)
+        (out,) = program.load_method("forward").execute([x])  # a static program refuses it
         assert out.shape == (batch, 4)
         with torch.no_grad():
             expected = model(x)
-        # calibrated on the one sample batch, so larger batches clip now and then (15 dB at
-        # 16 here, 40 dB at 1); a static program would refuse any batch but the sample's
-        assert 20 * torch.log10(expected.norm() / (out - expected).norm()) > 12
+        assert 20 * torch.log10(expected.norm() / (out - expected).norm()) > 25  # SQNR, dB
 
 
 @pytest.mark.slow
