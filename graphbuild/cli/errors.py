@@ -160,11 +160,8 @@ def _cli_errors() -> tuple[type[BaseException], ...]:
     vendored = getattr(getattr(typer, "exceptions", None), "TyperException", None)
     if vendored is not None:
         errors.append(vendored)
-    try:
-        import click
-    except ImportError:
-        pass
-    else:
+    click = sys.modules.get("click")  # typer imported it if it uses it; else not needed
+    if click is not None:
         errors += [click.exceptions.ClickException, click.exceptions.Abort]
     return tuple(errors)
 
