@@ -35,6 +35,7 @@ __all__ = [
     "ExportArtifacts",
     "ExportError",
     "ExportRequest",
+    "GgufOptions",
     "GraphbuildError",
     "Pipeline",
     "PipelineRegistry",
@@ -69,6 +70,7 @@ _LAZY = {
     "build_default_registry": "targets.registry",
     "QnnOnnxOptions": "targets.qnn",
     "ExecuTorchOptions": "targets.executorch",
+    "GgufOptions": "targets.gguf",
 }
 
 

@@ -381,7 +381,7 @@ def test_graph_needs_no_config_file(tmp_path, monkeypatch):
 
 def test_targets_lists_every_target_with_its_formats_and_options():
     doc = {t["target"]: t for t in invoke_json("targets")["targets"]}
-    assert doc["qnn"]["formats"] == ["onnx", "onnx_qdq"]
+    assert doc["qnn"]["formats"] == ["onnx", "onnx_qdq", "context"]
     assert doc["qnn"]["default_format"] == "onnx"
     assert "opset" in doc["qnn"]["options"] and "w8a16" in doc["qnn"]["presets"]
     assert doc["executorch"]["formats"][0] == "xnnpack"
@@ -562,7 +562,10 @@ def _bad_project(directory: Path, text: str) -> Path:
         ('model = "cli_models.py:raises"\n', "raised RuntimeError: weights not found at /nowhere"),
         ('model = "cli_models.py:boom"\n[options]\nopsett = 1\n', "did you mean 'opset'"),
         ('model = "cli_models.py:boom"\n[options]\nopset = "17"\n', "must be an integer, got '17'"),
-        ('model = "cli_models.py:boom"\nformat = "onnx_xyz"\n', "known: qnn/onnx, qnn/onnx_qdq"),
+        (
+            'model = "cli_models.py:boom"\nformat = "onnx_xyz"\n',
+            "known: qnn/context, qnn/onnx, qnn/onnx_qdq",
+        ),
     ],
 )
 def test_bad_configuration_is_exit_2_with_a_message_not_a_traceback(

@@ -107,6 +107,14 @@ def export(
             help="Fail (exit 1) when the coverage report finds a tensor the device runs quantized left float.",
         ),
     ] = False,
+    check_htp: Annotated[
+        bool,
+        typer.Option(
+            "--check-htp",
+            help="Compile the export on Qualcomm's HTP backend (the htp extra) with CPU fallback "
+            "disabled and compare its outputs with onnxruntime's CPU.",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Only errors and the files written.")
@@ -116,6 +124,8 @@ def export(
     """Build the model named in graphbuild.toml (or --model) for a target and format."""
     if strict_coverage:
         sets = [*(sets or []), "options.strict_coverage=true"]
+    if check_htp:
+        sets = [*(sets or []), "options.check_htp=true"]
     cfg = load_cli_config(
         config,
         target=target,
@@ -191,6 +201,9 @@ def _report_lines(extra: Mapping[str, Any]) -> list[str]:
             f"{delegation.get('delegated_subgraphs', 0)} subgraph(s), "
             f"{delegation.get('portable_ops', 0)} on portable kernels"
         )
+    htp = extra.get("htp")
+    if isinstance(htp, Mapping):
+        lines.append(f"htp        {htp.get('summary', '')}")
     numerics = extra.get("numerics")
     if isinstance(numerics, Mapping):
         against = numerics.get("reference")

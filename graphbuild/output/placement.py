@@ -8,9 +8,11 @@ places nothing and loads nothing. A user editing an output file changes its mtim
 next export writes it again from the cache.
 
 A model file is rebuilt from the one it replaces where it can: the stamp records where each
-tensor's bytes lie in it and their digest, and :func:`graphbuild.onnx.save.write_model` copies
-the unchanged ones in the kernel and reads each copy back against its digest, so only changed
-tensors are written and an edited file contributes nothing it should not.
+tensor's bytes lie in it and their digest, and :func:`graphbuild.onnx.save.write_model` (an
+ONNX model) or :func:`~graphbuild.onnx.save.write_segments` (any
+:class:`~graphbuild.onnx.save.SegmentedFile`, a GGUF file) copies the unchanged ones in the
+kernel and reads each copy back against its digest, so only changed tensors are written and
+an edited file contributes nothing it should not.
 
 Names read from the cache decide no path by themselves: a file artifact's name must be a plain
 name the pipeline declares (``Pipeline.output_files``; by default ``<model_name>.*``), and a
@@ -248,6 +250,8 @@ def _place(
     reusable: Mapping[str, list[tuple[str, dict[str, Any]]]],
     previous: list[Any],
 ) -> tuple[dict[str, Path], dict[str, dict[str, Any]], dict[str, Any]]:
+    from graphbuild.onnx.save import SegmentedFile
+
     out_dir = placement.out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_temps(out_dir)
@@ -271,7 +275,7 @@ def _place(
                 continue
             items = value.items() if isinstance(value, Mapping) else [(sink, value)]
             for kind, item in items:
-                if isinstance(item, FileArtifact) and not allowed_name(
+                if isinstance(item, (FileArtifact, SegmentedFile)) and not allowed_name(
                     item.name, pipeline, placement
                 ):
                     raise ExportError(
@@ -419,8 +423,9 @@ def _declared(pipeline: Pipeline, placement: Placement) -> str:
 
 def _placeable(value: Any) -> bool:
     from graphbuild.onnx.bind import BoundModel
+    from graphbuild.onnx.save import SegmentedFile
 
-    if isinstance(value, (BoundModel, FileArtifact)):
+    if isinstance(value, (BoundModel, FileArtifact, SegmentedFile)):
         return True
     return isinstance(value, Mapping) and bool(value) and all(map(_placeable, value.values()))
 
@@ -430,17 +435,18 @@ def _write(
 ) -> list[tuple[Path, str, list[list[Any]]]]:
     """Write one product's files into ``tmp``: (path, xxh3-128, tensor ranges) each."""
     from graphbuild.onnx.bind import BoundModel
-    from graphbuild.onnx.save import write_model
+    from graphbuild.onnx.save import SegmentedFile, write_model, write_segments
 
     if isinstance(item, BoundModel):
         target = tmp / f"{placement.model_name}.onnx"
         saved = write_model(item, target, external_data=placement.external_data, previous=previous)
-        return [
-            (f.path, f.digest, [[r.offset, r.length, r.digest] for r in f.ranges]) for f in saved
-        ]
-    path = tmp / item.name
-    path.write_bytes(item.data)
-    return [(path, digest_bytes(item.data), [])]
+    elif isinstance(item, SegmentedFile):
+        saved = [write_segments(tmp / item.name, item.segments(), previous)]
+    else:
+        path = tmp / item.name
+        path.write_bytes(item.data)
+        return [(path, digest_bytes(item.data), [])]
+    return [(f.path, f.digest, [[r.offset, r.length, r.digest] for r in f.ranges]) for f in saved]
 
 
 def _kind(filename: str, model_name: str, fallback: str) -> str:

@@ -1,4 +1,6 @@
-"""The QNN pipelines: ``qnn/onnx`` (float ONNX + ``.encodings``) and ``qnn/onnx_qdq``.
+"""The QNN pipelines: ``qnn/onnx`` (float ONNX + ``.encodings``), ``qnn/onnx_qdq`` and
+``qnn/context`` (the QDQ model prepared on QNN's HTP backend: :mod:`.htp_stages`, which also
+adds the HTP check to the others with ``check_htp``).
 
 ::
 
@@ -368,6 +370,7 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     p.reports["coverage"] = cov.name
     p.products = [bound.name, enc.name]
     p.output_files = frozenset({f"{request.model_name}.encodings"})
+    ref = None
     if opts.check_numerics:
         if opts.quantizer is not None:
             ref = p.register_stage(reference_with_tensors, "reference", reads=("samples",))
@@ -378,6 +381,23 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         check_stage = p.register_stage(check, "check_numerics", reads=("samples",))
         check_stage.depends_on(bound, enc, ref, lower)
         p.reports["numerics"] = "check_numerics"
+    if opts.check_htp or fmt == "context":
+        from graphbuild.targets.qnn.htp_stages import add_htp_stages
+
+        if ref is None or opts.quantizer is not None:  # SQNR against the float model
+            ref = p.register_stage(
+                reference_from_model, "float_reference", reads=("input", "samples")
+            )
+        add_htp_stages(
+            p,
+            opts.htp_targets(),
+            fmt=fmt,
+            bound=bound,
+            enc=enc,
+            coverage=cov,
+            reference=ref,
+            model_name=request.model_name,
+        )
     return p
 
 
