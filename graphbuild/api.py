@@ -22,13 +22,8 @@ from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.plan import plan
 from graphbuild.engine.store import Cache
 from graphbuild.errors import ArgumentTypeError, ConfigError, ExportError
-from graphbuild.output.placement import (
-    LOCK_FILE,
-    Placement,
-    check_output_directory,
-    json_safe,
-    place_outputs,
-)
+from graphbuild.output.directory import LOCK_FILE, check_output_directory
+from graphbuild.output.placement import Placement, json_safe, place_outputs
 from graphbuild.targets.registry import (
     DEFAULT_TARGET,
     PipelineFactory,

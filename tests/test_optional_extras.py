@@ -10,6 +10,7 @@ reach an extra through graphbuild, as the key-stability zoo reaches ExecuTorch, 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -28,6 +29,7 @@ OPTIONAL = {
 }
 
 
+@functools.cache
 def _modules() -> list[tuple[Path, ast.Module]]:
     return [(p, ast.parse(p.read_text(), filename=str(p))) for p in sorted(TESTS.glob("*.py"))]
 

@@ -139,6 +139,9 @@ def export(
     if dry_run:
         show_status(cfg, cache, as_json)
         return
+    from graphbuild.output.directory import check_output_directory
+
+    check_output_directory(cfg.output_dir, cfg.model_name)  # before the model is even loaded
     from graphbuild.api import export_with_pipeline
     from graphbuild.output.placement import json_safe
 

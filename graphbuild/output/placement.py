@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from graphbuild.cache.access import why_unwritable
 from graphbuild.cache.names import is_digest, is_plain_name
 from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.events import RunReport
@@ -41,8 +40,9 @@ from graphbuild.engine.store import Cache
 from graphbuild.engine.toolchain import toolchain_versions
 from graphbuild.errors import ExportError
 from graphbuild.hashing import digest_bytes, digest_json
+from graphbuild.output.directory import LOCK_FILE, check_output_directory
 
-LOCK_FILE = "graphbuild.lock.json"
+__all__ = ["LOCK_FILE", "Placement", "check_output_directory", "json_safe", "place_outputs"]
 
 
 @dataclass(frozen=True)
@@ -84,59 +84,6 @@ def place_outputs(
             },
         )
     return {**files, "lock": placement.out_dir / LOCK_FILE}, lock
-
-
-def check_output_directory(out_dir: Path, model_name: str | None = None) -> None:
-    """Refuse, before any stage runs, an output directory the files could not be placed in:
-    a file, a path through a file, or a place this user cannot write (a read-only file
-    system, another user's directory). The files are written into a temporary directory
-    beside ``out_dir`` and moved in, so that is what is probed (and ``out_dir`` itself when it
-    is a mount point, whose files are then replaced one by one).
-
-    An output directory holds one model: its ``graphbuild.lock.json`` lists that model's
-    files. Exporting ``model_name`` into a directory whose lock names another model would
-    replace that lock and leave the other model's files unlisted, so it is refused too."""
-    _check_lock_owner(out_dir, model_name)
-    try:
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ExportError(
-                f"the output directory {out_dir} is a file; give a directory (output_dir, "
-                "--output-dir) that does not exist yet or holds graphbuild's files"
-            )
-        existing = out_dir.absolute().parent
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir():
-            raise ExportError(
-                f"cannot create the output directory {out_dir}: {existing} is a file, not a "
-                "directory"
-            )
-        mount = out_dir.is_dir() and os.path.ismount(out_dir)
-        for where in [existing] + ([out_dir] if mount else []):
-            os.rmdir(tempfile.mkdtemp(prefix=".graphbuild-probe.", dir=where))
-    except OSError as err:
-        raise ExportError(
-            f"cannot write the output directory {out_dir}: {why_unwritable(err, out_dir)}; "
-            "give a directory you can write (output_dir, --output-dir)"
-        ) from None
-
-
-def _check_lock_owner(out_dir: Path, model_name: str | None) -> None:
-    try:
-        lock = json.loads((out_dir / LOCK_FILE).read_text())
-    except (OSError, ValueError):
-        return  # no lock (or an unreadable one, which the export replaces)
-    owner = lock.get("model_name") if type(lock) is dict else None
-    if model_name is None or type(owner) is not str or owner == model_name:
-        return
-    shown = owner if len(owner) <= 80 else owner[:77] + "..."
-    raise ExportError(
-        f"{out_dir} already holds the export of model {shown!r} ({LOCK_FILE} lists its "
-        f"files); one output directory holds one model's export, so exporting "
-        f"{model_name!r} there would leave {shown!r}'s files unlisted. Export it into "
-        f"another directory (output_dir, --output-dir), or delete {out_dir / LOCK_FILE} to "
-        "let it replace the other"
-    )
 
 
 def allowed_name(name: Any, pipeline: Pipeline, placement: Placement) -> bool:
