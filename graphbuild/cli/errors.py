@@ -117,7 +117,22 @@ def brief_failure(err: StageError) -> tuple[str, list[str], bool]:
     return err.describe(head), lines, more
 
 
-_LIBRARY_PACKAGES = ("torch", "torchao", "onnx", "onnxscript", "onnxruntime", "graphbuild")
+#: The toolchain: a frame in one of these is never "the user's code" (transformers is: a
+#: model's forward lives there).
+_LIBRARY_PACKAGES = (
+    "graphbuild",
+    "torch",
+    "functorch",
+    "torchao",
+    "sympy",
+    "onnx",
+    "onnxscript",
+    "onnx_ir",
+    "onnxruntime",
+    "numpy",
+    "executorch",
+    "gguf",
+)
 _FRAME_IN_TEXT = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
