@@ -84,6 +84,11 @@ class ExportRequest:
                 f"the model must be a torch.nn.Module, got {_kind(self.model)}; pass the "
                 "module (model, not model.forward or a factory that builds it)"
             )
+        if builtin and self.data is None:
+            raise ArgumentTypeError(
+                "the sample inputs (data) are None: give the positional inputs the model is "
+                "traced on, a tuple such as (torch.randn(1, 3, 224, 224),), or () for none"
+            )
         options = self.target_options()
         calibration = (
             options.get("calibration")

@@ -204,13 +204,14 @@ def test_a_second_model_in_the_same_output_directory_is_refused_with_the_reason(
         ),
         ({"cache": 3.5}, "cache must be a gb.Cache, a directory, a redis:// URL"),
         ({"model": lambda x: x}, "the model must be a torch.nn.Module, got function"),
+        ({"data": None}, "the sample inputs (data) are None"),
         (
             {"options": gb.QnnOnnxOptions(quantizer="w8a16", calibration=5)},
             "calibration must be a list of batches (each a tuple of positional inputs or a "
             "tensor), got int 5",
         ),
     ],
-    ids=["output_directory", "cache", "model", "calibration"],
+    ids=["output_directory", "cache", "model", "data", "calibration"],
 )
 def test_an_argument_of_the_wrong_type_is_named_before_any_stage(tmp_path, argument, message):
     events: list = []
