@@ -183,7 +183,7 @@ def test_a_second_model_in_the_same_output_directory_is_refused_with_the_reason(
             cache=False,
             listeners=[events.append],
         )
-    assert "already holds the export of model 'first'" in str(refused.value)
+    assert "holds the export of model 'first'" in str(refused.value)
     assert "another directory" in str(refused.value)
     assert events == []  # refused before any stage ran
     assert (tmp_path / "out" / "graphbuild.lock.json").read_text() == lock

@@ -67,9 +67,8 @@ def _check_lock_owner(out_dir: Path, model_name: str | None) -> None:
         return
     shown = owner if len(owner) <= 80 else owner[:77] + "..."
     raise ExportError(
-        f"{out_dir} already holds the export of model {shown!r} ({LOCK_FILE} lists its "
-        f"files); one output directory holds one model's export, so exporting "
-        f"{model_name!r} there would leave {shown!r}'s files unlisted. Export it into "
-        f"another directory (output_dir, --output-dir), or delete {out_dir / LOCK_FILE} to "
-        "let it replace the other"
+        f"{out_dir} holds the export of model {shown!r} ({LOCK_FILE} lists its files); an "
+        f"output directory holds one model's export, and exporting {model_name!r} there would "
+        f"leave the files of {shown!r} unlisted. Export {model_name!r} into another directory "
+        f"(output_dir, --output-dir), or delete {out_dir / LOCK_FILE} to replace that export"
     )
