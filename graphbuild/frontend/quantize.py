@@ -91,6 +91,10 @@ def quantize(
     ``fold_quantize`` the weights are stored quantized (integer constants followed by a
     dequantize), as back ends that consume integer weights (ExecuTorch) expect.
 
+    A quantizer with a ``transform_before_prepare(module)`` method has it applied first (torchao
+    folds BatchNorm into convolutions before ``transform_for_annotation``, and refuses a
+    convolution whose bias is computed).
+
     An activation quantizer that saw ``inf`` or ``nan`` (an additive ``-inf`` attention mask)
     has no valid scale: an :class:`ExportError`, or with ``drop_non_finite`` the tensor stays
     float and is listed in ``left_float``.
@@ -103,6 +107,9 @@ def quantize(
     sample_inputs = to_device(tuple(sample_inputs), "cpu")
     module = program.module()
     load_state(module, program, HostState(state))
+    before = getattr(resolved, "transform_before_prepare", None)
+    if callable(before):  # ahead of torchao's conv-BatchNorm folding, which prepare starts with
+        module = before(module)
     prepared = prepare_pt2e(module, resolved)
     _calibrate(prepared, calibration, sample_inputs)
     degenerate = _degenerate_ranges(prepared)

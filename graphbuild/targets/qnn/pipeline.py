@@ -151,18 +151,21 @@ def lower_onnx(inputs: tuple, samples: Any, context: Any) -> tuple:
 
 
 def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """Q/DQ in place of the markers, in the forms the HTP runs fully quantized."""
     from graphbuild.onnx.lower import lower_markers
+    from graphbuild.targets.qnn.qdq_forms import apply_htp_forms
 
     skeleton, (qmap, _) = inputs
-    lowered, names = lower_markers(skeleton, QuantMap.from_json(qmap), "onnx_qdq")
-    return lowered, {str(q): n for q, n in sorted(names.items())}
+    quant_map = QuantMap.from_json(qmap)
+    lowered, names = lower_markers(skeleton, quant_map, "onnx_qdq")
+    return apply_htp_forms(lowered, quant_map), {str(q): n for q, n in sorted(names.items())}
 
 
 def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
     """Digests of exactly the state tensors the lowered graph binds: bind keys on these
     rather than on the whole state, so a changed quantizer buffer does not re-bind weights."""
     from graphbuild.engine.fingerprint import tensor_digests
-    from graphbuild.onnx.lower import SOURCE_KEY
+    from graphbuild.onnx.lower import QPARAMS_LOCATION, SOURCE_KEY
     from graphbuild.onnx.skeleton import STATE_LOCATION
 
     ((lowered, _),) = inputs
@@ -170,9 +173,11 @@ def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
     names = set()
     for init in lowered.graph.initializer:
         location = {e.key: e.value for e in init.external_data}.get("location")
+        meta = {p.key: p.value for p in init.metadata_props}
         if location == STATE_LOCATION:
-            meta = {p.key: p.value for p in init.metadata_props}
             names.add(meta.get(SOURCE_KEY, init.name))
+        elif location == QPARAMS_LOCATION and SOURCE_KEY in meta:  # an int32 tensor of state
+            names.add(meta[SOURCE_KEY])
     bound = [n for n in sorted(names) if n in state]
     digests = tensor_digests([state[n] for n in bound], reuse=True)  # input.state's, this run
     return {
