@@ -130,8 +130,6 @@ _LIBRARY_PACKAGES = (
     "onnx_ir",
     "onnxruntime",
     "numpy",
-    "executorch",
-    "gguf",
 )
 _FRAME_IN_TEXT = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
