@@ -22,7 +22,9 @@ from onnx import numpy_helper
 from tests import zoo
 from tests.zoo_exports import DEFAULT_CASES, PRESETS, export_zoo
 
-aimet_onnx = pytest.importorskip("aimet_onnx")
+aimet_onnx = pytest.importorskip(
+    "aimet_onnx", reason="the interop extra (aimet-onnx) is not installed"
+)
 from aimet_onnx import QuantizationSimModel  # noqa: E402
 from aimet_onnx.quantsim import load_encodings_to_sim  # noqa: E402
 

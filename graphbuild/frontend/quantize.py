@@ -19,6 +19,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from torchao.quantization.pt2e.quantizer import Quantizer
 
 from graphbuild.errors import ConfigError, ExportError
+from graphbuild.frontend.capture import dynamic_shapes_of
 from graphbuild.frontend.devices import HostState, to_device
 from graphbuild.frontend.presets import QUANTIZER_PRESETS, register_preset
 
@@ -114,7 +115,9 @@ def quantize(
     degenerate = _degenerate_ranges(prepared)
     left_float = _check_observed_ranges(prepared, drop=drop_non_finite)
     converted = convert_pt2e(prepared, fold_quantize=fold_quantize)
-    return Quantized(torch.export.export(converted, sample_inputs), left_float, degenerate)
+    shapes = dynamic_shapes_of(program)  # dims the capture kept dynamic stay dynamic
+    program = torch.export.export(converted, sample_inputs, dynamic_shapes=shapes)
+    return Quantized(program, left_float, degenerate)
 
 
 def resolve_quantizer(quantizer: str | Quantizer) -> Quantizer:

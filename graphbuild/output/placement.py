@@ -40,8 +40,9 @@ from graphbuild.engine.store import Cache
 from graphbuild.engine.toolchain import toolchain_versions
 from graphbuild.errors import ExportError
 from graphbuild.hashing import digest_bytes, digest_json
+from graphbuild.output.directory import LOCK_FILE, check_output_directory
 
-LOCK_FILE = "graphbuild.lock.json"
+__all__ = ["LOCK_FILE", "Placement", "check_output_directory", "json_safe", "place_outputs"]
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,11 @@ def _commit(tmp: Path, out_dir: Path, ours: set[str], stale: set[str]) -> None:
         os.replace(tmp, out_dir)
         return
     entries = list(os.scandir(out_dir))
-    if _exchange is not None and all(not e.is_dir(follow_symlinks=False) for e in entries):
+    if (
+        _exchange is not None
+        and all(not e.is_dir(follow_symlinks=False) for e in entries)
+        and not os.path.ismount(out_dir)  # a mount point cannot be renamed (EBUSY)
+    ):
         for e in entries:
             if e.name not in ours and e.name not in stale:
                 os.link(e.path, tmp / e.name, follow_symlinks=False)

@@ -23,7 +23,7 @@ from typing import Any
 
 from graphbuild.engine.codecs import FileArtifact, roundtrip
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
-from graphbuild.errors import ConfigError
+from graphbuild.errors import ConfigError, ReportedWarning
 from graphbuild.frontend.capture import as_args, capture
 from graphbuild.frontend.devices import host_state, model_tensors, to_device
 from graphbuild.frontend.programs import ProgramArtifact, strip_state
@@ -263,11 +263,14 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
         qmap.get("degenerate"),
     )
     for entry in report["degenerate"]:
-        warnings.warn(f"coverage: '{entry['tensor']}': {entry['why']}", stacklevel=2)
+        warnings.warn(
+            f"coverage: '{entry['tensor']}': {entry['why']}", ReportedWarning, stacklevel=2
+        )
     for entry in report["htp_defects"]:
         warnings.warn(
             f"coverage: '{entry['tensor']}': {entry['reason']}; reproduced by "
             f"{entry['reproduction']}",
+            ReportedWarning,
             stacklevel=2,
         )
     if context["strict_coverage"]:
