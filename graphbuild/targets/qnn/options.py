@@ -36,8 +36,8 @@ class QnnOnnxOptions:
     check rebuilds for ``onnx``) requantizes a 16-bit symmetric second MatMul input to int16
     just before the MatMul, the form the HTP's 16x16 MatMul computes right (see
     :mod:`.qdq_forms`); ``False`` leaves it out, for tools that import the QDQ model strictly
-    (AIMET's quantization sim has no quantizer there), at the cost of that product's accuracy
-    on the HTP.
+    (AIMET's quantization sim has no quantizer there) and for v68/v69, which refuse a 16x16
+    MatMul with an int16 second input, at the cost of that product's accuracy on the HTP.
     """
 
     opset: int = 21
