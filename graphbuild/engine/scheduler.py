@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from graphbuild.engine import digest_memo
 from graphbuild.engine.checking import check_mode
 from graphbuild.engine.codecs import encode
 from graphbuild.engine.events import Change, EventKind, RunReport, StageEvent, StageRecord
@@ -386,6 +387,7 @@ def run_pipeline(
     unless ``background_writes``, the call returns once they are stored (with it, the
     caller overlaps its own work and then calls ``RunResult.wait_for_cache``)."""
     run = _Run(pipeline, pipeline_input, samples, context, cache, force, listeners, run_id, check)
+    digest_memo.begin_run()  # a tensor is hashed once in the run; earlier digests: see there
     try:
         with check_mode(bool(run.check)):  # reused values and digests are recomputed too
             if run.check:
@@ -394,6 +396,8 @@ def run_pipeline(
     except BaseException:
         run.finish_writes()
         raise
+    finally:
+        digest_memo.end_run()
     if run.failure is not None or not background_writes:
         run.finish_writes()
     if run.failure is not None:
