@@ -47,6 +47,7 @@ _C = TypeVar("_C", bound="ByteCache")
 _MANIFEST = "m:"
 _LAST = "last:"
 _PLACED = "placed:"
+_MEMO = "memo:"
 _TOUCH_EVERY = 60.0
 
 
@@ -314,6 +315,14 @@ class ByteCache:
 
     def record_placement(self, key: str, stamp: dict[str, Any]) -> None:
         self._set_record(f"{_PLACED}{key}", stamp)
+
+    def memo(self, key: str) -> dict[str, Any] | None:
+        """A record of what a fresh process would otherwise recompute (a source file's
+        summary, library versions: :mod:`graphbuild.engine.source_memo`), as stored."""
+        return self._record(f"{_MEMO}{key}")
+
+    def record_memo(self, key: str, value: dict[str, Any]) -> None:
+        self._set_record(f"{_MEMO}{key}", value)
 
     def _record(self, key: str) -> dict[str, Any] | None:
         """A side record (explain, placement); a damaged one only costs what it saves."""
