@@ -30,6 +30,8 @@ from graphbuild.cache.manifest import (
     InvalidManifest,
     blob_refs,
     check_manifest,
+    check_memo_record,
+    check_placement_stamp,
     check_run_record,
 )
 from graphbuild.errors import CacheError
@@ -95,6 +97,7 @@ class MaintenanceReport:
     freed_bytes: int = 0
     checked_entries: int = 0
     checked_blobs: int = 0
+    checked_records: int = 0
     corrupt: list[str] | None = None
     quarantined: str | None = None
     notes: list[str] | None = None
@@ -501,7 +504,31 @@ class ByteCache:
                 report.corrupt.append(f"entry {m['key']} ({m.get('stage', '?')})")
                 if repair and self._remove_entry(k):
                     report.removed_entries += 1
+        if index is not None:
+            self._verify_records(index, report, repair)
         return report
+
+    def _verify_records(self, index: ActionIndex, report: MaintenanceReport, repair: bool) -> None:
+        """Check every side record the store holds (explain records, placement stamps, memo
+        records) for the shape their readers accept; with ``repair`` remove those that fail
+        (each only costs what it would have saved)."""
+        assert report.corrupt is not None
+        for prefix, check in _RECORD_CHECKS.items():
+            for k in list(index.keys(prefix)):
+                report.checked_records += 1
+                try:
+                    record = index.get_json(k)
+                    if record is not None:  # None: removed since it was listed
+                        check(record)
+                except OSError:
+                    raise
+                except Exception as err:
+                    report.corrupt.append(f"record {k[:80]} ({_why(err)})")
+                    if repair:
+                        try:
+                            index.delete(k)
+                        except OSError:
+                            continue
 
     def _remove_entry(self, index_key: str) -> bool:
         self._count("corrupt")
@@ -554,6 +581,19 @@ def _with_remote(local: Stores, url: str, readonly: bool) -> Stores:
         local.close()
         raise
     return layered(local, remote)
+
+
+def _checked_run_record(record: Any) -> dict[str, Any]:
+    if check_run_record(record) is None:
+        raise InvalidManifest("not an explain record")
+    return record
+
+
+_RECORD_CHECKS = {
+    _LAST: _checked_run_record,
+    _PLACED: check_placement_stamp,
+    _MEMO: check_memo_record,
+}
 
 
 def _why(err: BaseException) -> str:
