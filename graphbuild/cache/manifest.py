@@ -107,6 +107,13 @@ def check_run_record(record: Any) -> dict[str, Any] | None:
     return record
 
 
+def check_explain_record(record: Any) -> dict[str, Any]:
+    """:func:`check_run_record` for ``cache verify``: raises InvalidManifest."""
+    if check_run_record(record) is None:
+        raise InvalidManifest("not an explain record")
+    return record
+
+
 #: What :func:`graphbuild.output.placement.place_outputs` records of each placed file.
 _STAMP_FILE = {"name": str, "xxh3_128": str, "product": str, "bytes": int, "mtime_ns": int}
 LOCK_FILE = "graphbuild.lock.json"

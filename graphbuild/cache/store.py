@@ -29,6 +29,7 @@ from graphbuild.cache.local import open_local
 from graphbuild.cache.manifest import (
     InvalidManifest,
     blob_refs,
+    check_explain_record,
     check_manifest,
     check_memo_record,
     check_placement_stamp,
@@ -583,14 +584,8 @@ def _with_remote(local: Stores, url: str, readonly: bool) -> Stores:
     return layered(local, remote)
 
 
-def _checked_run_record(record: Any) -> dict[str, Any]:
-    if check_run_record(record) is None:
-        raise InvalidManifest("not an explain record")
-    return record
-
-
 _RECORD_CHECKS = {
-    _LAST: _checked_run_record,
+    _LAST: check_explain_record,
     _PLACED: check_placement_stamp,
     _MEMO: check_memo_record,
 }
