@@ -198,6 +198,7 @@ def settled_environment() -> None:
 
 def test_a_new_process_reads_what_it_would_parse_from_the_cache(tmp_path, parses, monkeypatch):
     settled_environment()
+    closure.forget()  # the first process
     model, samples = convnet.build()
     options = gb.QnnOnnxOptions(quantizer="w8a16", calibration=convnet.calibration(1))
     cache = gb.Cache(tmp_path / "cache")
@@ -218,6 +219,7 @@ def test_a_new_process_reads_what_it_would_parse_from_the_cache(tmp_path, parses
 
 
 def test_a_file_edited_since_is_parsed_again_and_its_stage_reruns(tmp_path, stage_module, parses):
+    closure.forget()
     cache = Cache(tmp_path / "cache")
     model = torch.nn.Linear(2, 2)
     first = stage_pipeline().run(model, cache=cache)
@@ -235,6 +237,7 @@ def test_a_file_edited_since_is_parsed_again_and_its_stage_reruns(tmp_path, stag
 
 
 def test_a_damaged_summary_in_the_cache_is_parsed_again(tmp_path, stage_module, parses):
+    closure.forget()
     cache = Cache(tmp_path / "cache")
     model = torch.nn.Linear(2, 2)
     stage_pipeline().run(model, cache=cache)

@@ -19,6 +19,7 @@ from graphbuild.cache.base import CorruptBlob
 from graphbuild.cache.local import FileBlobs
 from graphbuild.cache.local.fs import Dir
 from graphbuild.cli.app import app
+from graphbuild.engine import closure
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.store import Cache
 from graphbuild.hashing import digest_bytes
@@ -158,7 +159,9 @@ def test_a_shared_blob_whose_header_claims_a_huge_size_is_refused_unread(redis_u
 
 @pytest.fixture
 def exported(tmp_path) -> Path:
-    """A cache after one export: manifests, explain records, a placement stamp, memos."""
+    """A cache after one export in a new process: manifests, explain records, a placement
+    stamp, the source summaries it parsed."""
+    closure.forget()
     torch.manual_seed(0)
     gb.export(FakeQuantConvNet().eval(), SAMPLE, tmp_path / "out", "net", cache=tmp_path / "c")
     return tmp_path / "c"
