@@ -24,15 +24,21 @@ The ratio cold / baseline (target <= 1.15) is what graphbuild's bookkeeping cost
 export. ``--profile`` runs one more warm export under pyinstrument and prints
 where the time outside the floor goes.
 
+And start-up, best of N each (interleaved): ``graphbuild --help``, ``graphbuild cache stats``
+and ``graphbuild cache path`` in fresh processes (target < 0.5 s: they import neither torch
+nor onnx), beside ``python -c pass``. ``--compare DIR`` times the same commands from another
+checkout (``PYTHONPATH=DIR``), interleaved with this one: before and after a change in one
+run. ``--startup-only`` skips the exports.
+
 And graphbuild's own time in a warm export from a fresh process (the ``seconds`` of
 ``export --json``: keys, lookups, placement; not Python, imports or building the model), for
 the tiny decoder and the tiny transformers Llama of ``examples/``, best of N, beside the same
 export run a second time in one process (target <= 0.3 s: a new process must not redo what
-the last one worked out, such as parsing the source files code closures reach).
-``--before DIR`` measures another checkout alongside (``PYTHONPATH=DIR``), interleaved;
-``--warm-only`` measures this alone.
+the last one worked out, such as parsing the source files code closures reach); with
+``--compare DIR``, the other checkout's too. ``--warm-only`` measures these alone.
 
-    python bench/bench_cli.py [--repeat 5] [--json] [--profile] [--warm-only] [--before DIR]
+    python bench/bench_cli.py [--repeat 5] [--json] [--profile] [--startup-only]
+        [--warm-only] [--compare DIR]
 """
 
 from __future__ import annotations
@@ -187,6 +193,40 @@ def print_warm_process(times: dict[str, Any], repeat: int) -> None:
             print("                        all: " + ", ".join(f"{x:.3f}" for x in t["all"]))
 
 
+STARTUP_COMMANDS = (["--help"], ["cache", "stats"], ["cache", "path"])
+STARTUP_TARGET = 0.5
+
+
+def startup_times(
+    repeat: int, cache_dir: Path, cwd: Path, compare: Path | None
+) -> dict[str, dict[str, float]]:
+    """Best of ``repeat`` seconds of each start-up command in a fresh process, for this
+    checkout (``"this"``), ``python -c pass`` (``"python"``) and, with ``compare``, the
+    other checkout; interleaved so that drifting load hits them alike."""
+    trees = {"this": ROOT} | ({"compare": compare.resolve()} if compare else {})
+    best: dict[str, dict[str, float]] = {name: {} for name in [*trees, "python"]}
+    for _ in range(repeat):
+        for command in STARTUP_COMMANDS:
+            label = " ".join(command)
+            for name, tree in trees.items():
+                env = {**_env(cache_dir), "PYTHONPATH": str(tree)}
+                seconds = _timed([sys.executable, "-m", "graphbuild", *command], env, cwd)[0]
+                best[name][label] = min(seconds, best[name].get(label, float("inf")))
+        seconds = _timed([sys.executable, "-c", "pass"], _env(cache_dir), cwd)[0]
+        best["python"]["pass"] = min(seconds, best["python"].get("pass", float("inf")))
+    return best
+
+
+def print_startup(times: dict[str, dict[str, float]], compare: Path | None) -> None:
+    for label, seconds in times["this"].items():
+        line = f"start {label:<28} {seconds:7.3f} s"
+        if "compare" in times:
+            line += f"   ({compare}: {times['compare'][label]:.3f} s)"
+        verdict = "PASS" if seconds < STARTUP_TARGET else "MISS"
+        print(f"{line}   {verdict} (target < {STARTUP_TARGET} s)")
+    print(f"start python -c pass                 {times['python']['pass']:7.3f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each (best is kept)")
@@ -197,10 +237,15 @@ def main() -> None:
         help="one more warm export under pyinstrument; print its profile",
     )
     parser.add_argument(
+        "--startup-only", action="store_true", help="time the start-up commands alone"
+    )
+    parser.add_argument(
         "--warm-only", action="store_true", help="graphbuild's own warm-process time alone"
     )
     parser.add_argument(
-        "--before", type=Path, help="another checkout measured alongside (warm process)"
+        "--compare",
+        type=Path,
+        help="another checkout whose start-up and warm-process time are measured alongside",
     )
     args = parser.parse_args()
 
@@ -208,9 +253,9 @@ def main() -> None:
         tmp = Path(tmp_name)
         cache_dir, out_dir, work = tmp / "cache", tmp / "out", tmp / "work"
         work.mkdir()
-        trees = {"this": ROOT} | ({"before": args.before.resolve()} if args.before else {})
-        warm_own = warm_process_times(args.repeat, tmp, trees)
+        trees = {"this": ROOT} | ({"compare": args.compare.resolve()} if args.compare else {})
         if args.warm_only:
+            warm_own = warm_process_times(args.repeat, tmp, trees)
             load = os.getloadavg()
             if args.json:
                 print(json.dumps({"warm_process": warm_own, "loadavg": load}, indent=2))
@@ -218,6 +263,16 @@ def main() -> None:
                 print(f"load {load[0]:.2f} {load[1]:.2f}")
                 print_warm_process(warm_own, args.repeat)
             return
+        startup = startup_times(args.repeat, cache_dir, work, args.compare)
+        if args.startup_only:
+            load = os.getloadavg()
+            if args.json:
+                print(json.dumps({"startup": startup, "loadavg": load}, indent=2))
+            else:
+                print(f"best of {args.repeat}; load {load[0]:.2f}")
+                print_startup(startup, args.compare)
+            return
+        warm_own = warm_process_times(args.repeat, tmp, trees)
         config = tmp / "graphbuild.toml"
         config.write_text(CONFIG.format(model=MODEL_FILE, out=out_dir))
         env = _env(cache_dir)
@@ -274,6 +329,7 @@ def main() -> None:
             "floor_all": floor_times,
             "warm_statuses": statuses,
             "all_hits": set(statuses.values()) <= {"hit"},
+            "startup": startup,
             "warm_process": warm_own,
             "loadavg": os.getloadavg(),
         }
@@ -322,6 +378,7 @@ def main() -> None:
     print(
         f"ratio warm / floor               {result['ratio']:7.3f}   {verdict} (target <= {TARGET})"
     )
+    print_startup(startup, args.compare)
     print("all warm runs:  " + ", ".join(f"{t:.3f}" for t in warm_times))
     print("all floor runs: " + ", ".join(f"{t:.3f}" for t in floor_times))
     print_warm_process(warm_own, args.repeat)

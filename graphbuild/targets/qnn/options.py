@@ -8,8 +8,9 @@ from typing import Any
 
 from graphbuild.errors import ConfigError
 from graphbuild.targets.base import BOOL, INT, STR, STRS, OptionType
+from graphbuild.targets.qnn.htp_targets import HtpTarget, parse_targets
 
-FORMATS = ("onnx", "onnx_qdq")
+FORMATS = ("onnx", "onnx_qdq", "context")
 ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
 DEFAULT_ENCODINGS_VERSION = "1.0.0"
 
@@ -24,7 +25,13 @@ class QnnOnnxOptions:
     ``int32_bias`` writes int32 bias encodings (scale = input scale x weight scale) as AIMET
     does; ``None`` follows AIMET's default: on for ``2.0.0``, off for ``1.0.0`` and ``0.6.1``.
     ``strict_coverage`` fails the export when a tensor QNN HTP runs quantized is left float
-    (see the coverage report).
+    (see the coverage report) and, with ``check_htp``, when QNN's HTP backend refuses the
+    model with CPU fallback disabled or (with a preset) runs an op in float.
+    ``check_htp`` compiles the export on QNN's HTP backend (the ``htp`` extra) for each of
+    ``htp_arch`` (``"v81"`` or a list; default: the presets' configuration, v81) with its
+    ``soc_model`` (QNN's SoC id; default: the arch's), reports what QNN took and compares its
+    outputs with onnxruntime's CPU. The ``context`` format prepares a QNN context binary for
+    each of them.
     """
 
     opset: int = 21
@@ -38,6 +45,9 @@ class QnnOnnxOptions:
     check_numerics: bool = False
     int32_bias: bool | None = None
     strict_coverage: bool = False
+    check_htp: bool = False
+    htp_arch: str | Sequence[str] | None = None
+    soc_model: str | Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -49,13 +59,18 @@ class QnnOnnxOptions:
             raise ConfigError(f"opset must be an integer from 13 to 23, not {self.opset!r}")
         for key in ("input_names", "output_names"):
             _check_names(key, getattr(self, key))
+        self.htp_targets()  # a ConfigError now, not when a stage runs
+
+    def htp_targets(self) -> tuple[HtpTarget, ...]:
+        """The HTP targets ``htp_arch`` and ``soc_model`` name (default: v81)."""
+        return parse_targets(self.htp_arch, self.soc_model)
 
     def to_context(self) -> dict[str, Any]:
         # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
         ctx = {f.name: getattr(self, f.name) for f in fields(self)}
         ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
-        for key in ("input_names", "output_names"):
-            if ctx[key] is not None:
+        for key in ("input_names", "output_names", "htp_arch", "soc_model"):
+            if ctx[key] is not None and not isinstance(ctx[key], (str, int)):
                 ctx[key] = list(ctx[key])
         return ctx
 
@@ -89,4 +104,18 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "check_numerics": BOOL,
     "int32_bias": BOOL,
     "strict_coverage": BOOL,
+    "check_htp": BOOL,
+    "htp_arch": OptionType(
+        "a string or a list of strings",
+        lambda v: isinstance(v, str) or STRS.accepts(v),
+    ),
+    "soc_model": OptionType(
+        "a string, an integer or a list of them",
+        lambda v: (
+            isinstance(v, (str, int))
+            and not isinstance(v, bool)
+            or isinstance(v, list)
+            and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v)
+        ),
+    ),
 }
