@@ -16,6 +16,7 @@ is read from its manifest (:func:`~graphbuild.cache.manifest.blob_refs`), so mai
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -321,12 +322,14 @@ class ByteCache:
         self._set_record(f"{_PLACED}{key}", stamp)
 
     def memo(self, key: str) -> dict[str, Any] | None:
-        """A record of what a fresh process would otherwise recompute (a source file's
-        summary, library versions: :mod:`graphbuild.engine.source_memo`), as stored."""
+        """A record a new process would otherwise recompute (``engine.source_memo``)."""
         return self._record(f"{_MEMO}{key}")
 
     def record_memo(self, key: str, value: dict[str, Any]) -> None:
-        self._set_record(f"{_MEMO}{key}", value)
+        """Keep a memo record; one the cache cannot take only costs the time it saves."""
+        if self._writable and self._index is not None:
+            with contextlib.suppress(OSError):
+                self._index.set_json(f"{_MEMO}{key}", value)
 
     def _record(self, key: str) -> dict[str, Any] | None:
         """A side record (explain, placement); a damaged one only costs what it saves."""

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from graphbuild.engine import digest_memo
+from graphbuild.engine import digest_memo, source_memo
 from graphbuild.engine.checking import check_mode
 from graphbuild.engine.codecs import encode
 from graphbuild.engine.events import Change, EventKind, RunReport, StageEvent, StageRecord
@@ -420,6 +420,7 @@ def run_pipeline(
         raise
     finally:
         digest_memo.end_run()
+        source_memo.use(None)  # the run's cache may be closed once the run is over
     if run.failure is not None or not background_writes:
         run.finish_writes()
     if run.failure is not None:
