@@ -22,6 +22,7 @@ import sys
 import sysconfig
 import tempfile
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.redis_server import RedisServer
@@ -159,14 +160,17 @@ def test_clones_a_second_user_and_a_second_python_build_share_one_cache_and_serv
             first, placed = export(
                 [], sys.executable, here, clone(base / "alice" / "work" / "proj"), shared, url
             )
-            other_path = clone(base / "b" / "proj", owner)
-            second, second_files = export(prefix, python, env, other_path, shared, url)
             own = base / "carol-cache"  # her own local cache: the hits come from the server
             own.mkdir()
             if owner:
                 os.chown(own, *owner)
-            third_path = clone(base / "carol" / "x" / "y" / "proj", owner)
-            third, third_files = export(prefix, python, env, third_path, own, url)
+            with ThreadPoolExecutor(2) as pool:  # two teammates at once
+                bob = pool.submit(
+                    export, prefix, python, env, clone(base / "b" / "proj", owner), shared, url
+                )
+                carol_clone = clone(base / "carol" / "x" / "y" / "proj", owner)
+                carol = pool.submit(export, prefix, python, env, carol_clone, own, url)
+                (second, second_files), (third, third_files) = bob.result(), carol.result()
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
