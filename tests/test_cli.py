@@ -478,7 +478,7 @@ def test_cache_gc_removes_unreferenced_blobs_only(cache_copy):
 def test_cache_verify_finds_and_removes_a_corrupt_blob(cache_copy):
     blob = max((p for p in (cache_copy / "blobs").rglob("*") if p.is_file()), key=os.path.getsize)
     blob.write_bytes(b"\0" * blob.stat().st_size)
-    doc = invoke_json("cache", "verify", "--cache-dir", str(cache_copy))
+    doc = invoke_json("cache", "verify", "--cache-dir", str(cache_copy), code=1)
     assert doc["command"] == "verify" and doc["checked_blobs"] > 0
     assert any(c.startswith("blob ") for c in doc["corrupt"])
     assert doc["removed_blobs"] == 1 and doc["removed_entries"] >= 1

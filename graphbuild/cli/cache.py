@@ -46,7 +46,7 @@ def _cache_cfg(config: Path | None) -> Config:
 
 def _maintenance(
     command: str, cache: Cache, run: Callable[[], MaintenanceReport], as_json: bool
-) -> None:
+) -> MaintenanceReport:
     """Run one maintenance operation and report it; the size before it is only listed when
     a person reads the summary (a listing of every blob, on a shared cache every key)."""
     before = None if as_json else cache.size()
@@ -54,7 +54,7 @@ def _maintenance(
     stats = cache.stats()
     if as_json:
         emit_json({"command": command, **report.to_json(), "stats": stats.to_json()})
-        return
+        return report
     console = make_console()
     for problem in report.corrupt or []:
         console.print(Text(f"corrupt: {problem}", style="red"))
@@ -75,6 +75,7 @@ def _maintenance(
             style="dim",
         )
     )
+    return report
 
 
 CacheConfigOpt = ConfigOpt
@@ -266,6 +267,9 @@ def cache_verify(
     config: CacheConfigOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Re-hash every blob; corrupt blobs and the entries using them are removed (misses)."""
+    """Re-hash every blob and check every entry and record; what is corrupt is removed (a
+    miss from then on). Exits 1 when it found anything corrupt, so a script notices."""
     cache = _cache(cache_dir, config, cache_url, repair=repair)
-    _maintenance("verify", cache, lambda: cache.verify(repair=repair), as_json)
+    report = _maintenance("verify", cache, lambda: cache.verify(repair=repair), as_json)
+    if report.corrupt:
+        raise typer.Exit(1)
