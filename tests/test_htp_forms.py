@@ -149,6 +149,14 @@ def test_leaving_the_int16_requantization_out_costs_attention_steps_on_the_htp(t
     assert without["sqnr_htp_vs_cpu_db"] <= with_it["sqnr_htp_vs_cpu_db"] - 10
 
 
+def test_attention_for_v69_compiles_by_default_without_the_int16_requantization(tmp_path):
+    """v69 refuses a 16x16 MatMul with an int16 second input: with ``htp_arch = "v69"`` and
+    the option unset, the export leaves the requantization out and compiles there."""
+    check = export_and_check(Attention, (1, 16, 32), tmp_path, htp_arch="v69")
+    assert check["htp_arch"] == "69", check["htp_arch"]
+    assert_fully_quantized(check, sqnr_vs_cpu_db=50)
+
+
 def test_gelu_with_tanh_after_a_layernorm_runs_right(tmp_path):
     assert_fully_quantized(export_and_check(GeluBlock, (1, 16, 32), tmp_path))
 

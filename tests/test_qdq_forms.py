@@ -327,3 +327,17 @@ def test_turning_the_int16_requantization_off_relowers_and_leaves_every_activati
         nodes_of(onnx.load(preset_export.files["onnx"]), "QuantizeLinear")
     )
     assert off.report.extra["numerics"]["forced"]["max_error_steps"] <= 2
+
+
+def test_the_int16_requantization_is_on_by_default_for_the_archs_that_take_it() -> None:
+    """Unset, ``matmul_int16_requantize`` follows the HTP targets: v73 to v81 take an int16
+    second MatMul input, v68 and v69 refuse it, and one QDQ model serves every listed arch;
+    an explicit value wins."""
+    from graphbuild.targets.qnn.options import QnnOnnxOptions
+
+    assert QnnOnnxOptions().to_context()["matmul_int16_requantize"] is True
+    assert QnnOnnxOptions(htp_arch=["v75", "v81"]).requantizes_matmul_inputs() is True
+    assert QnnOnnxOptions(htp_arch="v69").to_context()["matmul_int16_requantize"] is False
+    assert QnnOnnxOptions(htp_arch=["v81", "v68"]).requantizes_matmul_inputs() is False
+    assert QnnOnnxOptions(htp_arch="v68", matmul_int16_requantize=True).requantizes_matmul_inputs()
+    assert not QnnOnnxOptions(matmul_int16_requantize=False).requantizes_matmul_inputs()

@@ -36,8 +36,9 @@ class QnnOnnxOptions:
     check rebuilds for ``onnx``) requantizes a 16-bit symmetric second MatMul input to int16
     just before the MatMul, the form the HTP's 16x16 MatMul computes right (see
     :mod:`.qdq_forms`); ``False`` leaves it out, for tools that import the QDQ model strictly
-    (AIMET's quantization sim has no quantizer there) and for v68/v69, which refuse a 16x16
-    MatMul with an int16 second input, at the cost of that product's accuracy on the HTP.
+    (AIMET's quantization sim has no quantizer there), at the cost of that product's accuracy
+    on the HTP. ``None`` (the default) requantizes unless one of ``htp_arch`` refuses a 16x16
+    MatMul with an int16 second input (v68, v69): one QDQ model serves every listed arch.
     """
 
     opset: int = 21
@@ -54,7 +55,7 @@ class QnnOnnxOptions:
     check_htp: bool = False
     htp_arch: str | Sequence[str] | None = None
     soc_model: str | Sequence[str] | None = None
-    matmul_int16_requantize: bool = True
+    matmul_int16_requantize: bool | None = None
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -72,10 +73,18 @@ class QnnOnnxOptions:
         """The HTP targets ``htp_arch`` and ``soc_model`` name (default: v81)."""
         return parse_targets(self.htp_arch, self.soc_model)
 
+    def requantizes_matmul_inputs(self) -> bool:
+        """``matmul_int16_requantize`` as set, or where unset whether every HTP target takes
+        the int16 second MatMul input (the context holds this, so a key sees the decision)."""
+        if self.matmul_int16_requantize is not None:
+            return bool(self.matmul_int16_requantize)
+        return all(t.takes_int16_matmul_input for t in self.htp_targets())
+
     def to_context(self) -> dict[str, Any]:
         # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
         ctx = {f.name: getattr(self, f.name) for f in fields(self)}
         ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
+        ctx["matmul_int16_requantize"] = self.requantizes_matmul_inputs()
         for key in ("input_names", "output_names", "htp_arch", "soc_model"):
             if ctx[key] is not None and not isinstance(ctx[key], (str, int)):
                 ctx[key] = list(ctx[key])
