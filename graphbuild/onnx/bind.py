@@ -30,8 +30,8 @@ from graphbuild.engine.parallel import parallel_map
 from graphbuild.errors import ExportError
 from graphbuild.hashing import digest_bytes, digest_json
 from graphbuild.onnx.fakequant import broadcast_qparam, fake_quantize, rounded_quotient
-from graphbuild.onnx.lpbq import PERM_KEY
 from graphbuild.onnx.lower import QID_KEY, QPARAMS_LOCATION, ROLE_KEY, SOURCE_KEY, dtype_range
+from graphbuild.onnx.lpbq import PERM_KEY
 from graphbuild.onnx.skeleton import STATE_LOCATION
 from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 

@@ -85,7 +85,6 @@ def normalize_quantized(inputs: tuple, samples: Any, context: Any) -> tuple:
     the graph's quantize ops do not say: the quantize stage notes it, the quant map records
     it."""
     from graphbuild.frontend.normalize import normalize_program
-
     from graphbuild.quant.lpbq import as_lpbq
     from graphbuild.targets.qnn.lpbq_weights import NOTE as LPBQ_NOTE
 
