@@ -38,6 +38,7 @@ VALUE_OPS = frozenset(
         "add.Scalar",
         "add.Tensor",
         "alias.default",
+        "amax.default",
         "clamp.default",
         "clamp.Tensor",
         "clamp_max.default",
@@ -61,6 +62,7 @@ VALUE_OPS = frozenset(
         "sub.Tensor",
         "to.dtype",
         "view.default",
+        "zeros_like.default",
         "_to_copy.default",
     }
 )
