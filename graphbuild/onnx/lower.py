@@ -40,7 +40,12 @@ import onnx
 import onnx_ir as ir
 
 from graphbuild.errors import ExportError
-from graphbuild.onnx.lpbq import PERM_KEY, foldable_transpose, lpbq_dequantize
+from graphbuild.onnx.lpbq import (
+    MAX_BLOCK_SCALE_BITS,
+    PERM_KEY,
+    foldable_transpose,
+    lpbq_dequantize,
+)
 from graphbuild.onnx.naming import Namer
 from graphbuild.onnx.skeleton import STATE_LOCATION
 from graphbuild.quant.lpbq import lpbq_axes
@@ -256,6 +261,12 @@ class _Lowering:
             raise ExportError(
                 f"quantizer {spec.qid} ({spec.op} at {spec.node}) is LPBQ, which quantizes "
                 f"weights; '{x.name}' is an activation"
+            )
+        if int(spec.block_scale_bits or 0) > MAX_BLOCK_SCALE_BITS:
+            raise ExportError(
+                f"quantizer {spec.qid}: {spec.block_scale_bits}-bit LPBQ block scales do not fit "
+                f"the uint8 QNN reads them as (at most {MAX_BLOCK_SCALE_BITS} bits); use the "
+                "onnx format, whose encodings say them"
             )
         dtype, _ = qdq_dtype(spec, self.opset)
         self._check_opset(spec, dtype, x)

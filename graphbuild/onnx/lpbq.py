@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-__all__ = ["PERM_KEY", "foldable_transpose", "lpbq_dequantize"]
+__all__ = ["MAX_BLOCK_SCALE_BITS", "PERM_KEY", "foldable_transpose", "lpbq_dequantize"]
+
+MAX_BLOCK_SCALE_BITS = 7
+"""The widest integer block scales the form holds: QNN's execution provider reads them as
+uint8, and ``2^k`` itself is one of them."""
 
 PERM_KEY = "graphbuild.perm"
 """Metadata of a reference bound transposed: the permutation, as comma-separated axes."""

@@ -169,7 +169,12 @@ class _Annotator:
 
     def _spec(self, tensor: str, rule: TensorRule) -> QuantizationSpecBase:
         axis = self._axis(tensor) if rule.per_channel else None
-        if self.lpbq and axis is not None and takes_lpbq(self._shape(tensor), axis):
+        if (
+            self.lpbq
+            and axis is not None
+            and takes_lpbq(self._shape(tensor), axis)
+            and not self._biased(tensor)
+        ):
             return lpbq_spec()
         if rule.per_channel and axis is None:
             return quantization_spec(rule.bits, symmetric=rule.symmetric)
@@ -181,6 +186,21 @@ class _Annotator:
         node = self.nodes.get(source)
         value = resolve_attr(self.gm, str(node.target)) if node is not None else None
         return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+
+    def _biased(self, tensor: str) -> bool:
+        """Whether a weight is read by a linear layer with a bias. QNN's HTP (onnxruntime-qnn
+        2.7, v81) computes an LPBQ MatMul followed by its bias Add wrong (thousands of output
+        steps from onnxruntime's CPU on the same file; per channel, or without the bias, a
+        few), so the LPBQ preset leaves such a weight per channel."""
+        consumers = [c for (w, c), _ in self.view.weight_axes.items() if w == tensor]
+        for name in consumers:
+            node = self.nodes.get(name)
+            bias = node.args[2] if node is not None and len(node.args) > 2 else None
+            if bias is None and node is not None:
+                bias = node.kwargs.get("bias")
+            if bias is not None:
+                return True
+        return False
 
     def _axis(self, tensor: str) -> int | None:
         """The output-channel axis of a weight in the op that reads it as one."""

@@ -23,7 +23,7 @@ import onnx
 import onnx_ir as ir
 
 from graphbuild.errors import ExportError
-from graphbuild.onnx.lpbq import foldable_transpose, lpbq_dequantize
+from graphbuild.onnx.lpbq import MAX_BLOCK_SCALE_BITS, foldable_transpose, lpbq_dequantize
 from graphbuild.targets.qnn.encodings.read import TensorEncoding, read_encodings
 from graphbuild.targets.qnn.encodings.reinsert import (
     InsertFakeQuantPass,
@@ -124,6 +124,11 @@ class InsertQdqPass(InsertFakeQuantPass):
             raise ExportError(
                 f"tensor '{enc.name}': an LPBQ encoding quantizes a float32 weight; this is "
                 "not a constant of the model"
+            )
+        if int(enc.block_scale_bits or 0) > MAX_BLOCK_SCALE_BITS:
+            raise ExportError(
+                f"tensor '{enc.name}': {enc.block_scale_bits}-bit LPBQ block scales do not fit "
+                f"the uint8 QNN reads them as (at most {MAX_BLOCK_SCALE_BITS} bits)"
             )
         x = tensor.numpy().astype(np.float32)
         dims = tuple(int(d) for d in x.shape)
