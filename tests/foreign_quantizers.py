@@ -234,11 +234,11 @@ class AimetGroupedBlockQuantizeDequantize(AimetQuantizeDequantize):
         self.block_size, self.block_grouping = tuple(block_size), tuple(block_grouping)
 
     def _per_channel_scale(self, raw: torch.Tensor) -> torch.Tensor:
-        shape = [s // g if g != -1 else 1 for s, g in zip(raw.shape, self.block_grouping)]
+        shape = [
+            s // g if g != -1 else 1 for s, g in zip(raw.shape, self.block_grouping, strict=True)
+        ]
         grouping = _concretize_block_size(raw.shape, shape, self.block_grouping)
-        reshaped = raw.reshape(
-            *raw.shape[: raw.dim() - len(shape)], *_interleave(shape, grouping)
-        )
+        reshaped = raw.reshape(*raw.shape[: raw.dim() - len(shape)], *_interleave(shape, grouping))
         max_scale = torch.amax(reshaped, dim=tuple(range(1, reshaped.dim(), 2)))
         return max_scale / 2 ** (self.decompressed_bw - self.bitwidth)
 
