@@ -19,7 +19,7 @@ DEFAULT_ENCODINGS_VERSION = "1.0.0"
 class QnnOnnxOptions:
     """Options of the QNN export; each becomes one context key that stages declare.
 
-    ``quantizer`` is a preset name (``w8a8``, ``w8a16``, ``w4a16``) or a torchao
+    ``quantizer`` is a preset name (``w8a8``, ``w8a16``, ``w4a16``, ``w4a16_lpbq``) or a torchao
     ``Quantizer``; with it graphbuild runs PT2E on ``calibration`` (batches of positional
     inputs). Without it the model is taken as already quantized (fake-quant or q/dq ops).
     ``lpbq`` writes a model's own blocked int4 weight quantizers (FastForward's, say) as LPBQ:

@@ -94,7 +94,7 @@ def activation_spec(bits: int):
 
 
 class QnnQuantizer(Quantizer):
-    """torchao PT2E quantizer with QNN presets: ``w8a8``, ``w8a16``, ``w4a16``."""
+    """torchao PT2E quantizer with QNN presets: ``w8a8``, ``w8a16``, ``w4a16``, ``w4a16_lpbq``."""
 
     def __init__(self, preset: str = "w8a8") -> None:
         self.weight_bits, self.activation_bits = preset_bits(preset)
