@@ -24,7 +24,13 @@ The ratio cold / baseline (target <= 1.15) is what graphbuild's bookkeeping cost
 export. ``--profile`` runs one more warm export under pyinstrument and prints
 where the time outside the floor goes.
 
-    python bench/bench_cli.py [--repeat 5] [--json] [--profile]
+And start-up, best of N each (interleaved): ``graphbuild --help``, ``graphbuild cache stats``
+and ``graphbuild cache path`` in fresh processes (target < 0.5 s: they import neither torch
+nor onnx), beside ``python -c pass``. ``--compare DIR`` times the same commands from another
+checkout (``PYTHONPATH=DIR``), interleaved with this one: before and after a change in one
+run. ``--startup-only`` skips the exports.
+
+    python bench/bench_cli.py [--repeat 5] [--json] [--profile] [--startup-only] [--compare DIR]
 """
 
 from __future__ import annotations
@@ -99,6 +105,40 @@ def _timed(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float, str]:
     return seconds, proc.stdout
 
 
+STARTUP_COMMANDS = (["--help"], ["cache", "stats"], ["cache", "path"])
+STARTUP_TARGET = 0.5
+
+
+def startup_times(
+    repeat: int, cache_dir: Path, cwd: Path, compare: Path | None
+) -> dict[str, dict[str, float]]:
+    """Best of ``repeat`` seconds of each start-up command in a fresh process, for this
+    checkout (``"this"``), ``python -c pass`` (``"python"``) and, with ``compare``, the
+    other checkout; interleaved so that drifting load hits them alike."""
+    trees = {"this": ROOT} | ({"compare": compare.resolve()} if compare else {})
+    best: dict[str, dict[str, float]] = {name: {} for name in [*trees, "python"]}
+    for _ in range(repeat):
+        for command in STARTUP_COMMANDS:
+            label = " ".join(command)
+            for name, tree in trees.items():
+                env = {**_env(cache_dir), "PYTHONPATH": str(tree)}
+                seconds = _timed([sys.executable, "-m", "graphbuild", *command], env, cwd)[0]
+                best[name][label] = min(seconds, best[name].get(label, float("inf")))
+        seconds = _timed([sys.executable, "-c", "pass"], _env(cache_dir), cwd)[0]
+        best["python"]["pass"] = min(seconds, best["python"].get("pass", float("inf")))
+    return best
+
+
+def print_startup(times: dict[str, dict[str, float]], compare: Path | None) -> None:
+    for label, seconds in times["this"].items():
+        line = f"start {label:<28} {seconds:7.3f} s"
+        if "compare" in times:
+            line += f"   ({compare}: {times['compare'][label]:.3f} s)"
+        verdict = "PASS" if seconds < STARTUP_TARGET else "MISS"
+        print(f"{line}   {verdict} (target < {STARTUP_TARGET} s)")
+    print(f"start python -c pass                 {times['python']['pass']:7.3f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each (best is kept)")
@@ -108,12 +148,27 @@ def main() -> None:
         action="store_true",
         help="one more warm export under pyinstrument; print its profile",
     )
+    parser.add_argument(
+        "--startup-only", action="store_true", help="time the start-up commands alone"
+    )
+    parser.add_argument(
+        "--compare", type=Path, help="another checkout whose start-up is timed alongside"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench_cli_") as tmp_name:
         tmp = Path(tmp_name)
         cache_dir, out_dir, work = tmp / "cache", tmp / "out", tmp / "work"
         work.mkdir()
+        startup = startup_times(args.repeat, cache_dir, work, args.compare)
+        if args.startup_only:
+            load = os.getloadavg()
+            if args.json:
+                print(json.dumps({"startup": startup, "loadavg": load}, indent=2))
+            else:
+                print(f"best of {args.repeat}; load {load[0]:.2f}")
+                print_startup(startup, args.compare)
+            return
         config = tmp / "graphbuild.toml"
         config.write_text(CONFIG.format(model=MODEL_FILE, out=out_dir))
         env = _env(cache_dir)
@@ -170,6 +225,7 @@ def main() -> None:
             "floor_all": floor_times,
             "warm_statuses": statuses,
             "all_hits": set(statuses.values()) <= {"hit"},
+            "startup": startup,
             "loadavg": os.getloadavg(),
         }
         profile_text = None
@@ -217,6 +273,7 @@ def main() -> None:
     print(
         f"ratio warm / floor               {result['ratio']:7.3f}   {verdict} (target <= {TARGET})"
     )
+    print_startup(startup, args.compare)
     print("all warm runs:  " + ", ".join(f"{t:.3f}" for t in warm_times))
     print("all floor runs: " + ", ".join(f"{t:.3f}" for t in floor_times))
     if profile_text:

@@ -183,6 +183,7 @@ def test_the_size_exemptions_are_still_needed() -> None:
 _TARGET_HOMES = {
     "qnn": ("targets/qnn/", "targets/registry.py", "__init__.py"),
     "executorch": ("targets/executorch/", "targets/registry.py", "__init__.py"),
+    "gguf": ("targets/gguf/", "targets/registry.py", "__init__.py"),
 }
 
 

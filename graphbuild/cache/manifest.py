@@ -94,6 +94,11 @@ def check_run_record(record: Any) -> dict[str, Any] | None:
         return None
     if not _table_of(record.get("upstream", {}), str, type(None)):
         return None
+    changes = record.get("changes", [])
+    if type(changes) is not list or any(
+        type(c) is not list or len(c) != 3 or type(c[0]) is not str for c in changes
+    ):
+        return None
     reads = record.get("reads", {})
     if type(reads) is not dict:
         return None
@@ -115,6 +120,8 @@ _RECORD_FIELDS: dict[str, tuple[type, ...]] = {
     "status": (str, type(None)),
     "when": (int, float, type(None)),
     "seconds": (int, float, type(None)),
+    "reason": (str, type(None)),
+    "changes": (list,),
     "toolchain": (dict,),
     "upstream": (dict,),
     "reads": (dict,),

@@ -31,7 +31,7 @@ from graphbuild.config import Config
 from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
-    from graphbuild.engine.store import Cache, MaintenanceReport
+    from graphbuild.engine.store import Cache, CacheStats, MaintenanceReport
 
 __all__ = ["cache_app"]
 
@@ -158,7 +158,22 @@ def cache_ls(
             f"{e.key[:16]}  {e.stage:<16} {e.pipeline:<20} {human_size(e.bytes):>10} "
             f"{e.seconds:7.2f} s  used {ago(e.last_used)}"
         )
-    typer.echo(f"{len(entries)} entries, {human_size(sum(e.bytes for e in entries))}")
+    typer.echo(_ls_total(entries, cache.stats()))
+
+
+def _ls_total(entries: list, stats: CacheStats) -> str:
+    """The listing's total, beside what ``cache stats`` reports: entries that share an
+    output (the same blob) each count it, the blob store holds it once."""
+    listed = sum(e.bytes for e in entries)
+    line = f"{len(entries)} entries, {human_size(listed)} of outputs"
+    if listed == stats.bytes:
+        return line
+    why = (
+        "an output several entries share is stored once"
+        if listed > stats.bytes
+        else "it also holds blobs no entry uses, until graphbuild cache gc removes them"
+    )
+    return f"{line}; the cache holds {human_size(stats.bytes)} in {stats.blobs} blobs: {why}"
 
 
 @cache_app.command("show")

@@ -315,7 +315,8 @@ class _Run(Keys):
         if last and last.get("key") == rec.key and last.get("digest") == rec.digest:
             return
         snap = self.snapshot(name)
-        snap.update(status=rec.status, when=time.time(), seconds=rec.seconds)
+        snap.update(status=rec.status, when=time.time(), seconds=rec.seconds, reason=rec.reason)
+        snap["changes"] = [[c.read, c.old, c.new] for c in rec.changes]  # why it ran: explain
         self.cache.record_run(self.run_id, name, snap)
 
     def _why(self, name: str, key: str | None, reason: str | None) -> tuple[str, list[Change]]:

@@ -21,6 +21,12 @@ Grids wider than 16 bits (int32 biases) have no QuantizeLinear type: a quantized
 becomes ``DequantizeLinear`` of an int32 initializer ``{name}_quantized`` (role ``quantized``),
 which bind computes from the state tensor; a 32-bit activation is an error.
 
+A target's own Q/DQ forms may add references of two more roles: ``bias_scale``, the product of
+the scales of quantizers :data:`QID_KEY` and :data:`WEIGHT_QID_KEY` (an int32 bias's scale), and
+``bias``, the state tensor :data:`SOURCE_KEY` on that int32 grid. A zero point whose container
+is unsigned while its quantizer's grid is signed (or the other way round) is the same grid
+shifted by half the container's range.
+
 An LPBQ weight (:mod:`graphbuild.quant.lpbq`) is lowered to the form QNN's HTP takes
 (:mod:`graphbuild.onnx.lpbq`): its quantized values (role ``quantized``) dequantized with a
 scale that a ``DequantizeLinear`` makes from the integer block scales (role
@@ -58,12 +64,15 @@ QPARAMS_LOCATION = "graphbuild:qparams"
 QID_KEY = "graphbuild.qid"
 ROLE_KEY = "graphbuild.role"
 SOURCE_KEY = "graphbuild.source"
+WEIGHT_QID_KEY = "graphbuild.weight_qid"
 ROLES = (
     "scale",
     "zero_point",
     "clip_min",
     "clip_max",
     "quantized",
+    "bias",
+    "bias_scale",
     "block_int_scale",
     "channel_scale",
     "channel_zero_point",

@@ -8,9 +8,11 @@ places nothing and loads nothing. A user editing an output file changes its mtim
 next export writes it again from the cache.
 
 A model file is rebuilt from the one it replaces where it can: the stamp records where each
-tensor's bytes lie in it and their digest, and :func:`graphbuild.onnx.save.write_model` copies
-the unchanged ones in the kernel and reads each copy back against its digest, so only changed
-tensors are written and an edited file contributes nothing it should not.
+tensor's bytes lie in it and their digest, and :func:`graphbuild.onnx.save.write_model` (an
+ONNX model) or :func:`~graphbuild.onnx.save.write_segments` (any
+:class:`~graphbuild.onnx.save.SegmentedFile`, a GGUF file) copies the unchanged ones in the
+kernel and reads each copy back against its digest, so only changed tensors are written and
+an edited file contributes nothing it should not.
 
 Names read from the cache decide no path by themselves: a file artifact's name must be a plain
 name the pipeline declares (``Pipeline.output_files``; by default ``<model_name>.*``), and a
@@ -38,8 +40,9 @@ from graphbuild.engine.store import Cache
 from graphbuild.engine.toolchain import toolchain_versions
 from graphbuild.errors import ExportError
 from graphbuild.hashing import digest_bytes, digest_json
+from graphbuild.output.directory import LOCK_FILE, check_output_directory
 
-LOCK_FILE = "graphbuild.lock.json"
+__all__ = ["LOCK_FILE", "Placement", "check_output_directory", "json_safe", "place_outputs"]
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,8 @@ def _place(
     reusable: Mapping[str, list[tuple[str, dict[str, Any]]]],
     previous: list[Any],
 ) -> tuple[dict[str, Path], dict[str, dict[str, Any]], dict[str, Any]]:
+    from graphbuild.onnx.save import SegmentedFile
+
     out_dir = placement.out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_temps(out_dir)
@@ -217,7 +222,7 @@ def _place(
                 continue
             items = value.items() if isinstance(value, Mapping) else [(sink, value)]
             for kind, item in items:
-                if isinstance(item, FileArtifact) and not allowed_name(
+                if isinstance(item, (FileArtifact, SegmentedFile)) and not allowed_name(
                     item.name, pipeline, placement
                 ):
                     raise ExportError(
@@ -255,7 +260,11 @@ def _commit(tmp: Path, out_dir: Path, ours: set[str], stale: set[str]) -> None:
         os.replace(tmp, out_dir)
         return
     entries = list(os.scandir(out_dir))
-    if _exchange is not None and all(not e.is_dir(follow_symlinks=False) for e in entries):
+    if (
+        _exchange is not None
+        and all(not e.is_dir(follow_symlinks=False) for e in entries)
+        and not os.path.ismount(out_dir)  # a mount point cannot be renamed (EBUSY)
+    ):
         for e in entries:
             if e.name not in ours and e.name not in stale:
                 os.link(e.path, tmp / e.name, follow_symlinks=False)
@@ -361,8 +370,9 @@ def _declared(pipeline: Pipeline, placement: Placement) -> str:
 
 def _placeable(value: Any) -> bool:
     from graphbuild.onnx.bind import BoundModel
+    from graphbuild.onnx.save import SegmentedFile
 
-    if isinstance(value, (BoundModel, FileArtifact)):
+    if isinstance(value, (BoundModel, FileArtifact, SegmentedFile)):
         return True
     return isinstance(value, Mapping) and bool(value) and all(map(_placeable, value.values()))
 
@@ -372,17 +382,18 @@ def _write(
 ) -> list[tuple[Path, str, list[list[Any]]]]:
     """Write one product's files into ``tmp``: (path, xxh3-128, tensor ranges) each."""
     from graphbuild.onnx.bind import BoundModel
-    from graphbuild.onnx.save import write_model
+    from graphbuild.onnx.save import SegmentedFile, write_model, write_segments
 
     if isinstance(item, BoundModel):
         target = tmp / f"{placement.model_name}.onnx"
         saved = write_model(item, target, external_data=placement.external_data, previous=previous)
-        return [
-            (f.path, f.digest, [[r.offset, r.length, r.digest] for r in f.ranges]) for f in saved
-        ]
-    path = tmp / item.name
-    path.write_bytes(item.data)
-    return [(path, digest_bytes(item.data), [])]
+    elif isinstance(item, SegmentedFile):
+        saved = [write_segments(tmp / item.name, item.segments(), previous)]
+    else:
+        path = tmp / item.name
+        path.write_bytes(item.data)
+        return [(path, digest_bytes(item.data), [])]
+    return [(f.path, f.digest, [[r.offset, r.length, r.digest] for r in f.ranges]) for f in saved]
 
 
 def _kind(filename: str, model_name: str, fallback: str) -> str:

@@ -27,6 +27,13 @@ Rules, in AIMET's order:
    (like a weight); with 16-bit activations its first input is 16-bit too.
 5. Tied quantizers (one encoding for several tensors): Relu, AveragePool and Resize outputs share
    their input's; Concat's inputs share its output's.
+
+Where the HTP backend and AIMET differ, the HTP wins (DESIGN.md, invariant 12). One rule is
+the HTP's alone: a Softmax's input has a step of at least :data:`SOFTMAX_MIN_INPUT_SCALE`. The
+HTP's 16-bit Softmax computes garbage from a finer input grid (a step below about 2^-18.5, a
++-0.06 range: attention scores of a random-initialised transformer; 2,000 output steps off
+onnxruntime's CPU), and right from a coarser one (1-3 steps); a step of 2^-17 changes the
+Softmax's output by less than half a 16-bit output step.
 """
 
 from __future__ import annotations
@@ -54,7 +61,19 @@ from graphbuild.targets.qnn.htp_config import (
     supergroups,
 )
 
-__all__ = ["CONFIG_NAME", "WEIGHTED_OPS", "GraphView", "OpNode", "Plan", "TensorRule", "plan"]
+__all__ = [
+    "CONFIG_NAME",
+    "SOFTMAX_MIN_INPUT_SCALE",
+    "WEIGHTED_OPS",
+    "GraphView",
+    "OpNode",
+    "Plan",
+    "TensorRule",
+    "plan",
+]
+
+SOFTMAX_MIN_INPUT_SCALE = 2.0**-17
+"""The smallest step the HTP's Softmax computes right from (see the module)."""
 
 
 # ------------------------------------------------------------------------------- the view
@@ -112,7 +131,8 @@ class TensorRule:
     """How one tensor is quantized on HTP (when ``quantized``), or why it stays float.
 
     ``group`` names the tensor whose quantizer this one shares (itself when it has its own);
-    ``fixed`` is the (min, max) an encoding constraint pins, either end may be None."""
+    ``fixed`` is the (min, max) an encoding constraint pins, either end may be None;
+    ``min_scale`` the smallest step the HTP computes right from (None: any)."""
 
     tensor: str
     quantized: bool
@@ -121,6 +141,7 @@ class TensorRule:
     symmetric: bool = False
     per_channel: bool = False
     fixed: tuple[float | None, float | None] | None = None
+    min_scale: float | None = None
     group: str = ""
     role: str = ""
     op_type: str = ""
@@ -155,7 +176,17 @@ class Plan:
 class _Quantizer:
     """A mutable quantizer under construction (AIMET's QcQuantizeOp, reduced to settings)."""
 
-    __slots__ = ("enabled", "param", "bits", "symmetric", "per_channel", "fixed", "why", "role")
+    __slots__ = (
+        "enabled",
+        "param",
+        "bits",
+        "symmetric",
+        "per_channel",
+        "fixed",
+        "min_scale",
+        "why",
+        "role",
+    )
 
     def __init__(self, *, param: bool, bits: int, symmetric: bool, role: str = "") -> None:
         self.enabled = True
@@ -164,6 +195,7 @@ class _Quantizer:
         self.symmetric = symmetric
         self.per_channel = False
         self.fixed: tuple[float | None, float | None] | None = None
+        self.min_scale: float | None = None
         self.why = ""
         self.role = role
 
@@ -200,6 +232,7 @@ class _Planner:
         self._apply_exception_rules()
         self._tie_backward()
         self._tie_forward()
+        self._apply_htp_minimums()
         return Plan(self._rules(), self.producers)
 
     # -- 1. quantizers ---------------------------------------------------------------------
@@ -580,6 +613,15 @@ class _Planner:
                     in_q.fixed = _merge(in_q.fixed, out_q.fixed)
                 self._share(t, in_q)
 
+    def _apply_htp_minimums(self) -> None:
+        """The HTP's own rule: a Softmax's input grid no finer than it computes right from."""
+        for op in self.view.ops:
+            if op.op_type != "Softmax" or not op.inputs:
+                continue
+            src = self.enabled_source(op.inputs[0])
+            if src is not None:
+                self.q[src].min_scale = SOFTMAX_MIN_INPUT_SCALE
+
     # -- result ----------------------------------------------------------------------------
 
     def _rules(self) -> dict[str, TensorRule]:
@@ -611,6 +653,7 @@ class _Planner:
                     symmetric=q.symmetric,
                     per_channel=q.per_channel,
                     fixed=q.fixed,
+                    min_scale=q.min_scale,
                     group=owner[id(q)],
                     role=q.role,
                     op_type=op_type,

@@ -103,13 +103,14 @@ def context_file_names(model_name: str, target: HtpTarget) -> tuple[str, str]:
 
 
 def qdq_from_encodings(inputs: tuple, samples: Any, context: Any) -> onnx.ModelProto:
-    """``onnx``: the QDQ model a QNN tool builds from the float model and its ``.encodings``
-    (what the HTP check compiles)."""
+    """``onnx``: the QDQ model a QNN tool builds from the float model and its ``.encodings``,
+    in the forms the HTP runs fully quantized (what the HTP check compiles)."""
     from graphbuild.onnx.save import materialize
     from graphbuild.targets.qnn.encodings.qdq import insert_qdq
+    from graphbuild.targets.qnn.qdq_forms import apply_htp_forms
 
     bound, enc_file = inputs
-    return insert_qdq(materialize(bound), json.loads(enc_file.data))
+    return apply_htp_forms(insert_qdq(materialize(bound), json.loads(enc_file.data)))
 
 
 def check_htp(

@@ -23,7 +23,7 @@ from typing import Any
 
 from graphbuild.engine.codecs import FileArtifact, roundtrip
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
-from graphbuild.errors import ConfigError
+from graphbuild.errors import ConfigError, ReportedWarning
 from graphbuild.frontend.capture import as_args, capture
 from graphbuild.frontend.devices import host_state, model_tensors, to_device
 from graphbuild.frontend.programs import ProgramArtifact, strip_state
@@ -168,11 +168,14 @@ def lower_onnx(inputs: tuple, samples: Any, context: Any) -> tuple:
 
 
 def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """Q/DQ in place of the markers, in the forms the HTP runs fully quantized."""
     from graphbuild.onnx.lower import lower_markers
+    from graphbuild.targets.qnn.qdq_forms import apply_htp_forms
 
     skeleton, (qmap, _) = inputs
-    lowered, names = lower_markers(skeleton, QuantMap.from_json(qmap), "onnx_qdq")
-    return lowered, {str(q): n for q, n in sorted(names.items())}
+    quant_map = QuantMap.from_json(qmap)
+    lowered, names = lower_markers(skeleton, quant_map, "onnx_qdq")
+    return apply_htp_forms(lowered, quant_map), {str(q): n for q, n in sorted(names.items())}
 
 
 def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
@@ -274,7 +277,9 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
         qmap.get("degenerate"),
     )
     for entry in report["degenerate"]:
-        warnings.warn(f"coverage: '{entry['tensor']}': {entry['why']}", stacklevel=2)
+        warnings.warn(
+            f"coverage: '{entry['tensor']}': {entry['why']}", ReportedWarning, stacklevel=2
+        )
     if context["strict_coverage"]:
         check_coverage(report)
     return report

@@ -104,8 +104,14 @@ class QnnQuantizer(Quantizer):
     def __repr__(self) -> str:
         return f"QnnQuantizer(preset={self.preset!r})"
 
+    def transform_before_prepare(self, model: GraphModule) -> GraphModule:
+        """The rewrites, before torchao folds BatchNorm into convolutions (it refuses one
+        whose bias is computed, which the rewrites take out of the convolution)."""
+        return rewrite_for_htp(model)
+
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
-        """One aten op per ONNX op that QNN quantizes (see ``rewrite``)."""
+        """One aten op per ONNX op that QNN quantizes (see ``rewrite``; a second pass over a
+        rewritten graph changes nothing)."""
         return rewrite_for_htp(model)
 
     def plan(self, model: GraphModule) -> tuple[AtenView, Plan]:
@@ -178,7 +184,13 @@ class _Annotator:
             return lpbq_spec()
         if rule.per_channel and axis is None:
             return quantization_spec(rule.bits, symmetric=rule.symmetric)
-        return quantization_spec(rule.bits, symmetric=rule.symmetric, axis=axis, fixed=rule.fixed)
+        return quantization_spec(
+            rule.bits,
+            symmetric=rule.symmetric,
+            axis=axis,
+            fixed=rule.fixed,
+            min_scale=rule.min_scale,
+        )
 
     def _shape(self, tensor: str) -> tuple[int, ...]:
         """The shape of a weight (a constant the graph reads), or () if unknown."""
