@@ -256,6 +256,48 @@ def test_aimet_grouped_block_quantizer_exports_with_its_own_lpbq_scales(
     assert (enc.block_scale_bits, enc.bits, enc.block_size) == (4, 4, BLOCK)
 
 
+class AimetMatMulNet(nn.Module):
+    """A weight ``(in, out)`` read by ``x @ W`` (a MatMul weight, no Transpose) with aimet's
+    LPBQ quantizer blocked along its input axis 0 (``block_size (64, 1)``, ``block_grouping
+    (-1, 1)``): channels along axis 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(128, 24) * 0.1)
+        with torch.no_grad():
+            self.w[:BLOCK] *= torch.linspace(0.1, 1.0, 24)
+        self.wq = AimetGroupedBlockQuantizeDequantize((2, 24), 4, 8, (BLOCK, 1), (-1, 1))
+        peak = self.w.detach().reshape(2, BLOCK, 24).abs().amax(1)
+        self.wq.set_range(-peak * 8 / 7, peak)
+        self.iq = AimetQuantizeDequantize((), 16, False)
+        self.iq.set_range(torch.tensor(-4.0), torch.tensor(4.0))
+        self.oq = AimetQuantizeDequantize((), 16, False)
+        self.oq.set_range(torch.tensor(-3.0), torch.tensor(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.oq(self.iq(x) @ self.wq(self.w))
+
+
+@pytest.mark.parametrize(("fmt", "version"), [("onnx", "1.0.0"), ("onnx_qdq", "2.0.0")])
+def test_a_matmul_weight_blocked_along_axis_0_is_written_channel_major(
+    tmp_path, cache, fmt, version
+):
+    """1.0.0 lists block scales channel-major whatever the weight's layout (AIMET transposes
+    a MatMul weight's); reading them back lays them out along the weight's axes again."""
+    model = AimetMatMulNet().eval()
+    x = torch.randn(1, 4, 128)
+    options = gb.QnnOnnxOptions(check_numerics=True, encodings_version=version)
+    art = gb.export(model, (x,), tmp_path, "m", format=fmt, options=options, cache=cache)
+    assert_numerics(art, 0.0)  # the file's own LPBQ, reinserted / as written, vs AIMET's
+    entry = params(doc_of(art))["w"]
+    lpbq, per_channel = model.wq.lpbq_scales()
+    ints = (lpbq / per_channel).round().to(torch.int64)  # (blocks, channels)
+    if version == "1.0.0":
+        assert entry["per_block_int_scale"] == ints.T.reshape(-1).tolist()
+    else:
+        assert (entry["axis"], entry["per_block_int_scale"]) == (0, ints.tolist())
+
+
 def test_lpbq_block_scales_wider_than_the_weight_need_encodings_1_0_0(tmp_path, cache):
     """2.0.0 has no field for the decompressed bit-width (AIMET: twice the weight's)."""
     model = AimetNet(decompressed_bw=10).eval()
