@@ -46,7 +46,9 @@ __all__ = [
     "reusing_across_runs",
 ]
 
-_lock = threading.Lock()
+# re-entrant: a remembered tensor freed while the lock is held (the garbage collector runs
+# on any allocation) calls _forget from the same thread
+_lock = threading.RLock()
 _entries: dict[int, tuple[Any, Any, tuple, str, int]] = {}  # id -> (ref, storage ref, token,
 # digest, run)
 _run = 0
