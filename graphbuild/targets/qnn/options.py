@@ -7,7 +7,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from graphbuild.errors import ConfigError
-from graphbuild.targets.base import BOOL, INT, STR, STRS, OptionType
+from graphbuild.quant.range_methods import DEFAULT_RANGE_METHOD, needs_histograms, range_config
+from graphbuild.targets.base import BOOL, FLOAT, INT, STR, STRS, OptionType
 
 FORMATS = ("onnx", "onnx_qdq")
 ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
@@ -25,6 +26,12 @@ class QnnOnnxOptions:
     does; ``None`` follows AIMET's default: on for ``2.0.0``, off for ``1.0.0`` and ``0.6.1``.
     ``strict_coverage`` fails the export when a tensor QNN HTP runs quantized is left float
     (see the coverage report).
+
+    ``range_method`` sets how a preset's activation ranges come from calibration:
+    ``minmax`` (the observed extremes), ``moving_average`` (of each calibration call's
+    extremes, constant ``range_averaging``), ``percentile`` (``range_percentile`` and its
+    mirror, from a histogram) or ``mse`` (least expected quantization error, AIMET's
+    TF-enhanced). Weights always take their min/max.
     """
 
     opset: int = 21
@@ -38,6 +45,9 @@ class QnnOnnxOptions:
     check_numerics: bool = False
     int32_bias: bool | None = None
     strict_coverage: bool = False
+    range_method: str = DEFAULT_RANGE_METHOD
+    range_percentile: float = 99.99
+    range_averaging: float = 0.01
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -49,15 +59,44 @@ class QnnOnnxOptions:
             raise ConfigError(f"opset must be an integer from 13 to 23, not {self.opset!r}")
         for key in ("input_names", "output_names"):
             _check_names(key, getattr(self, key))
+        range_config(self.range_method, self.range_percentile, self.range_averaging)
+        _check_calibration(self.calibration)
 
     def to_context(self) -> dict[str, Any]:
         # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
         ctx = {f.name: getattr(self, f.name) for f in fields(self)}
         ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
+        _check_calibration(ctx["calibration"])
         for key in ("input_names", "output_names"):
             if ctx[key] is not None:
                 ctx[key] = list(ctx[key])
+        # derived keys: what a stage reads, no more (a preset change keeps the placement;
+        # a percentile change keeps the statistics)
+        ctx["range"] = range_config(self.range_method, self.range_percentile, self.range_averaging)
+        ctx["statistics"] = "histogram" if needs_histograms(ctx["range"]) else "minmax"
+        ctx["quantizer_placement"] = _placement(self.quantizer)
         return ctx
+
+
+def _placement(quantizer: Any) -> Any:
+    """What decides where quantizers sit: the same for every built-in preset (they quantize
+    the same tensors), the quantizer itself otherwise."""
+    preset = quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
+    if preset in PRESETS:
+        return PRESET_PLACEMENT
+    return quantizer
+
+
+def _check_calibration(calibration: Any) -> None:
+    """An empty calibration set is a mistake (an exhausted generator, a filter that kept
+    nothing): refused, rather than calibrating on the sample inputs without a word."""
+    if calibration is None or isinstance(calibration, (str, bytes)):
+        return
+    if hasattr(calibration, "__len__") and len(calibration) == 0:
+        raise ConfigError(
+            "calibration is empty: give at least one batch, or leave it unset (None) to "
+            "calibrate on the sample inputs"
+        )
 
 
 def _check_names(key: str, names: Sequence[str] | None) -> None:
@@ -77,6 +116,8 @@ def _check_names(key: str, names: Sequence[str] | None) -> None:
 #: The quantizer presets ``preset.py`` registers, named here so that reading a config needs
 #: no torchao import (tests/test_targets.py checks the two agree).
 PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16")
+#: ``ctx.quantizer_placement`` of the presets (they quantize the same tensors)
+PRESET_PLACEMENT = "qnn-presets"
 
 #: What a config file's ``[options]`` table may set for the qnn target.
 CONFIG_SCHEMA: dict[str, OptionType] = {
@@ -89,4 +130,7 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "check_numerics": BOOL,
     "int32_bias": BOOL,
     "strict_coverage": BOOL,
+    "range_method": STR,
+    "range_percentile": FLOAT,
+    "range_averaging": FLOAT,
 }

@@ -1,0 +1,312 @@
+"""Calibration statistics: the data half of PT2E quantization (DESIGN.md, invariant 13).
+
+Statistics depend on the calibration data and the weights, never on bit-widths: they are what
+a recalibration recomputes and what a preset change reuses. Per observer group (see
+``frontend.placement``):
+
+- ``min`` and ``max``: torchao's min/max observers run on every value the group saw (per
+  channel along the group's axis for a weight), so a range computed from them is exactly
+  the one ``prepare_pt2e`` + calibration + ``convert_pt2e`` gives;
+- ``calls_min`` / ``calls_max``: the range of each observed call in order, for a moving
+  average;
+- ``hist`` and ``hist_range`` when asked for: a histogram of the finite values over the
+  range they span (``HISTOGRAM_BINS`` bins), for the percentile and MSE range methods.
+
+Groups whose sites all read stored tensors (weights, buffers, constants) are *static*: their
+statistics come from the tensors alone (:func:`static_statistics`), so a new calibration set
+does not touch them. The others are observed by running the site program over the
+calibration batches (:func:`calibrate`). Statistics are a ``{name: tensor}`` dict, named
+``<group>.<what>``: raw tensors in the cache, no pickle.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from graphbuild.errors import ExportError
+from graphbuild.frontend.devices import to_device
+from graphbuild.quant.markers import MARKER_TARGET
+
+__all__ = [
+    "DEGENERATE_STEPS",
+    "HISTOGRAM_BINS",
+    "calibrate",
+    "is_static",
+    "observed_ranges",
+    "static_statistics",
+]
+
+HISTOGRAM_BINS = 2048
+#: a calibrated range narrower than this many of the group's smallest steps has collapsed
+DEGENERATE_STEPS = 16
+
+
+def is_static(group: int, sites: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether every site of ``group`` reads a stored tensor (its statistics need no data)."""
+    members = [s for s in sites if s["group"] == group]
+    return bool(members) and all(s["input"] in ("state", "constant") for s in members)
+
+
+class _Observed:
+    """The statistics of one group as calibration goes. Per tensor: torchao's
+    ``MinMaxObserver.forward`` written out (the same ops, so the same range), keeping each
+    call's range too; per channel (weights): torchao's ``PerChannelMinMaxObserver``."""
+
+    def __init__(self, axis: int | None, histogram: bool) -> None:
+        self.channels = None
+        if axis is not None:
+            from torchao.quantization.pt2e.observer import PerChannelMinMaxObserver
+
+            self.channels = PerChannelMinMaxObserver(axis)
+        self.low = torch.tensor(float("inf"))
+        self.high = torch.tensor(float("-inf"))
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.histogram = _Histogram() if histogram and axis is None else None
+
+    def __call__(self, x: torch.Tensor) -> None:
+        if self.channels is not None:
+            self.channels(x)
+            return
+        if x.numel() == 0:
+            return
+        low, high = torch.aminmax(x.detach().to(torch.float32))
+        self.low, self.high = torch.min(low, self.low), torch.max(high, self.high)
+        self.calls.append((low, high))
+        if self.histogram is not None:
+            self.histogram.add(x)
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        if self.channels is not None:
+            low, high = self.channels.min_val, self.channels.max_val
+        else:
+            low, high = self.low, self.high
+        out = {f"{prefix}.min": low.detach().clone(), f"{prefix}.max": high.detach().clone()}
+        if self.calls:
+            out[f"{prefix}.calls_min"] = torch.stack([c[0] for c in self.calls])
+            out[f"{prefix}.calls_max"] = torch.stack([c[1] for c in self.calls])
+        if self.histogram is not None and self.histogram.counts is not None:
+            out[f"{prefix}.hist"] = self.histogram.counts.clone()
+            out[f"{prefix}.hist_range"] = torch.tensor(
+                [self.histogram.low, self.histogram.high], dtype=torch.float64
+            )
+        return out
+
+
+class _Histogram:
+    """Counts of the finite values over a range that widens as values arrive: on widening,
+    the counts so far are spread over the new bins by overlap (deterministic)."""
+
+    def __init__(self, bins: int = HISTOGRAM_BINS) -> None:
+        self.bins = bins
+        self.counts: torch.Tensor | None = None
+        self.low = 0.0
+        self.high = 0.0
+
+    def add(self, x: torch.Tensor) -> None:
+        values = x.detach().to(torch.float64).flatten()
+        values = values[torch.isfinite(values)]
+        if values.numel() == 0:
+            return
+        low, high = float(values.min()), float(values.max())
+        if self.counts is None:
+            self.low, self.high = _widen(low, high)
+            self.counts = torch.zeros(self.bins, dtype=torch.float64)
+        elif low < self.low or high > self.high:
+            new_low, new_high = _widen(min(low, self.low), max(high, self.high))
+            self.counts = rebin(self.counts, self.low, self.high, new_low, new_high)
+            self.low, self.high = new_low, new_high
+        self.counts += torch.histc(values, self.bins, self.low, self.high)
+
+
+def _widen(low: float, high: float) -> tuple[float, float]:
+    """A range with room: equal ends get half a unit either side (``torch.histc``'s rule)."""
+    return (low - 0.5, high + 0.5) if low == high else (low, high)
+
+
+def rebin(
+    counts: torch.Tensor, low: float, high: float, new_low: float, new_high: float
+) -> torch.Tensor:
+    """``counts`` over ``[low, high]`` spread over as many bins on ``[new_low, new_high]``
+    (which contains it), each source bin in proportion to its overlap with each new bin."""
+    bins = counts.numel()
+    edges = torch.linspace(low, high, bins + 1, dtype=torch.float64)
+    new_edges = torch.linspace(new_low, new_high, bins + 1, dtype=torch.float64)
+    # cumulative count at each new edge, the source's distribution taken as uniform per bin
+    cumulative = torch.cat([torch.zeros(1, dtype=torch.float64), counts.cumsum(0)])
+    at_edges = _interp(new_edges, edges, cumulative)
+    return at_edges[1:] - at_edges[:-1]
+
+
+def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
+    """Piecewise-linear interpolation of ``(xp, fp)`` at ``x`` (clamped at the ends)."""
+    x = x.clamp(float(xp[0]), float(xp[-1]))
+    index = torch.searchsorted(xp, x, right=True).clamp(1, xp.numel() - 1)
+    x0, x1 = xp[index - 1], xp[index]
+    f0, f1 = fp[index - 1], fp[index]
+    span = torch.where(x1 > x0, x1 - x0, torch.ones_like(x1))
+    return f0 + (f1 - f0) * (x - x0) / span
+
+
+def static_statistics(
+    sites: Sequence[Mapping[str, Any]],
+    groups: Sequence[Mapping[str, Any]],
+    tensors: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Statistics of the static groups, from the stored tensors they read (``tensors``: by
+    state or constant name)."""
+    observed: dict[int, _Observed] = {}
+    for site in sites:
+        group = site["group"]
+        if not is_static(group, sites):
+            continue
+        name = site["tensor"]
+        if name not in tensors:
+            raise ExportError(f"no tensor '{name}' for the quantizer that reads it")
+        if group not in observed:
+            observed[group] = _Observed(groups[group]["axis"], histogram=False)
+        observed[group](tensors[name])
+    out: dict[str, torch.Tensor] = {}
+    for group, obs in sorted(observed.items()):
+        out.update(obs.tensors(str(group)))
+    return out
+
+
+def calibrate(
+    program: ExportedProgram,
+    sites: Sequence[Mapping[str, Any]],
+    groups: Sequence[Mapping[str, Any]],
+    batches: Iterable[tuple],
+    *,
+    histograms: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Run ``program`` (a site program with real state) over ``batches`` and return the
+    statistics of every group that is not static. A batch holding NaN is refused, naming it;
+    so is a quantized tensor whose values went NaN on finite inputs."""
+    watched = {s["index"] for s in sites if not is_static(s["group"], sites)}
+    observed = {
+        s["group"]: _Observed(groups[s["group"]]["axis"], histograms)
+        for s in sites
+        if s["index"] in watched
+    }
+    group_of = {s["index"]: s["group"] for s in sites}
+
+    def record(x: torch.Tensor, site: int) -> torch.Tensor:
+        if site in watched:
+            observed[group_of[site]](x)
+        return x
+
+    module = program.module()
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target is MARKER_TARGET:
+            node.target = record
+    module.recompile()
+    with torch.no_grad():
+        for index, batch in enumerate(batches):
+            _check_batch(index, batch)
+            module(*batch)
+    out: dict[str, torch.Tensor] = {}
+    for group, obs in sorted(observed.items()):
+        out.update(obs.tensors(str(group)))
+    _check_no_nan(sites, out)
+    return out
+
+
+def calibration_batches(calibration: Iterable | None, sample_args: tuple) -> Iterator[tuple]:
+    """Positional-argument tuples on the CPU, from batches that are tuples, lists or single
+    values on any device; with no calibration set (``None``), the sample inputs once, with a
+    warning. An empty calibration set is refused: it is a mistake, not a request."""
+    if calibration is None:
+        warnings.warn(
+            "quantize: no calibration batches; calibrating on the sample inputs once",
+            stacklevel=3,
+        )
+        yield to_device(tuple(sample_args), "cpu")
+        return
+    count = 0
+    for batch in calibration:
+        count += 1
+        args = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        yield to_device(args, "cpu")
+    if count == 0:
+        raise ExportError(
+            "quantize: the calibration set is empty; give at least one batch, or none "
+            "(calibration=None) to calibrate on the sample inputs"
+        )
+
+
+def _check_batch(index: int, batch: tuple) -> None:
+    leaves = torch.utils._pytree.tree_flatten(batch)[0]
+    for position, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.isnan().any():
+            raise ExportError(
+                f"quantize: calibration batch {index} holds NaN (input {position}): no range "
+                "can be calibrated on it; fix or drop that batch"
+            )
+
+
+def _check_no_nan(sites: Sequence[Mapping[str, Any]], stats: Mapping[str, torch.Tensor]) -> None:
+    bad = sorted(
+        {
+            s["source"]
+            for s in sites
+            if any(
+                bool(stats[f"{s['group']}.{end}"].isnan().any())
+                for end in ("min", "max")
+                if f"{s['group']}.{end}" in stats
+            )
+        }
+    )
+    if bad:
+        shown = ", ".join(f"'{n}'" for n in bad[:8]) + (" ..." if len(bad) > 8 else "")
+        raise ExportError(
+            f"quantize: calibration produced NaN at {shown} (from finite inputs): no range "
+            "fits; find where the model makes NaN (a 0/0, a log of a negative number)"
+        )
+
+
+def observed_ranges(
+    sites: Sequence[Mapping[str, Any]],
+    groups: Sequence[Mapping[str, Any]],
+    stats: Mapping[str, torch.Tensor],
+) -> tuple[dict[int, str], dict[str, list[float]]]:
+    """What calibration says about each quantizer before any bit-width is known: the sites
+    whose group saw ``inf`` (they stay float: no scale fits; site -> why), and the
+    activations whose finite range spans fewer than :data:`DEGENERATE_STEPS` steps of the
+    smallest scale (observed node name -> [min, max]). A per-channel weight that saw a
+    non-finite value is an error."""
+    dropped: dict[int, str] = {}
+    degenerate: dict[str, list[float]] = {}
+    for site in sites:
+        group = groups[site["group"]]
+        low, high = stats[f"{site['group']}.min"], stats[f"{site['group']}.max"]
+        if bool((low.isnan() | high.isnan()).any()):
+            what = f" ('{site['tensor']}')" if site["tensor"] else ""
+            raise ExportError(
+                f"quantize: the values observed at '{site['source']}'{what} include NaN: no "
+                "range fits; fix the tensor or the model before quantizing"
+            )
+        untouched = (low == float("inf")) & (high == float("-inf"))
+        finite = torch.isfinite(low) & torch.isfinite(high)
+        if bool((~untouched & ~finite).any()):
+            if group["axis"] is not None:
+                raise ExportError(
+                    f"quantize: the values observed at '{site['source']}' are not finite "
+                    f"(min {low.min().item()}, max {high.max().item()}); a quantizer there would "
+                    "have no valid scale. Use a finite attention mask or keep that op in float."
+                )
+            dropped[site["index"]] = (
+                "calibration saw non-finite values (an additive -inf mask?): no scale fits"
+            )
+            continue
+        if site["input"] in ("activation", "input") and low.numel() == 1:
+            lo, hi = float(torch.clamp(low, max=0.0)), float(torch.clamp(high, min=0.0))
+            finite = math.isfinite(lo) and math.isfinite(hi) and lo <= hi
+            if finite and 0.0 < hi - lo < DEGENERATE_STEPS * group["eps"]:  # zeros lose nothing
+                degenerate[site["source"]] = [float(low), float(high)]
+    return dropped, degenerate
