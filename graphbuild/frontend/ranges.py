@@ -20,6 +20,7 @@ forward pass), so trying another method or parameter recomputes values only:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,8 +28,10 @@ import torch
 
 __all__ = ["activation_range"]
 
-_MINIMUM_STEP = torch.finfo(torch.float32).eps
-_ASYMMETRIC_STEPS, _SYMMETRIC_STEPS, _OFFSETS, _GAMMA = 17, 101, 21, 3.0
+#: AIMET TF-enhanced's search: buckets, candidate steps (asymmetric, symmetric), offsets,
+#: the weight of saturation against rounding error, and the narrowest range considered
+_BINS, _ASYMMETRIC_STEPS, _SYMMETRIC_STEPS, _OFFSETS, _GAMMA = 512, 17, 101, 21, 3.0
+_MIN_RANGE = 0.01
 
 
 def activation_range(
@@ -83,59 +86,91 @@ def _percentile(
 def _least_error(
     counts: torch.Tensor, span: torch.Tensor, num_steps: int, symmetric: bool, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The candidate grid (step ``delta``, offset ``o``: values ``delta * (o + [0, steps])``)
-    with the least histogram-weighted squared error, clipped values' error times gamma."""
+    """AIMET's TF-enhanced search: the candidate grid (step ``delta``, offset ``o``: values
+    ``delta * (o + [0, steps])``) of least cost over a histogram of ``_BINS`` buckets, the
+    cost being each bucket midpoint's squared rounding error, and for buckets outside the
+    grid their squared distance to the midpoint of the end bucket, times ``_GAMMA``."""
+    counts = counts.to(torch.float64).reshape(_BINS, -1).sum(1)  # 2048 -> 512 buckets
     edges = _edges(counts, span)
-    low = min(float(edges[0]), 0.0)
-    high = max(float(edges[-1]), 0.0, low + _MINIMUM_STEP * num_steps)
+    used = torch.nonzero(counts > 0).flatten()
+    if used.numel() == 0:
+        return torch.tensor(0.0, dtype=dtype), torch.tensor(0.0, dtype=dtype)
+    low = min(float(edges[int(used[0])]), 0.0)  # left edges of the outermost used buckets
+    high = max(float(edges[int(used[-1])]), 0.0, low + _MIN_RANGE)
     if symmetric:
-        widest = 2 * max(high, -low) / num_steps
-        deltas = widest * torch.arange(1, _SYMMETRIC_STEPS + 1, dtype=torch.float64)
-        deltas = (deltas / (_SYMMETRIC_STEPS - 1)).clamp_min(_MINIMUM_STEP)[:, None]
-        offsets = torch.full_like(deltas, float(-((num_steps + 1) // 2)))
+        widest = 2 * max(abs(high), abs(low)) / num_steps
+        deltas = widest * torch.arange(1, _SYMMETRIC_STEPS + 1, dtype=torch.float64) / 100
+        offsets = torch.full_like(deltas, float(math.floor(-num_steps / 2)))
     else:
-        widest = (high - low) / num_steps
-        observed = round(low / widest)
-        deltas = widest * torch.arange(1, _ASYMMETRIC_STEPS + 1, dtype=torch.float64)
-        deltas = deltas / (_ASYMMETRIC_STEPS - 1)
-        count = min(num_steps + 2, _OFFSETS)
-        step = num_steps / (count - 2)
-        grid = torch.arange(-num_steps, step, step, dtype=torch.float64).round()
-        offsets = torch.cat([grid, torch.tensor([float(observed)], dtype=torch.float64)])
-        deltas, offsets = _clamped(deltas, offsets, widest * observed, num_steps, widest)
-    error = _expected_error(counts, edges, deltas, offsets, num_steps)
-    best = int(torch.argmin(error.flatten()))
-    delta, offset = deltas.flatten()[best], offsets.flatten()[best]
-    lowest = offset * delta
-    return lowest.to(dtype), (lowest + num_steps * delta).to(dtype)
+        deltas, offsets = _asymmetric_candidates(low, high, num_steps)
+    cost = _cost(counts, edges, deltas, offsets, num_steps)
+    best = int(torch.argmin(cost))
+    lowest = deltas[best] * offsets[best]
+    return lowest.to(dtype), (lowest + num_steps * deltas[best]).to(dtype)
 
 
-def _clamped(
-    deltas: torch.Tensor, offsets: torch.Tensor, low: float, num_steps: int, widest: float
+def _asymmetric_candidates(
+    low: float, high: float, num_steps: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every (delta, offset) candidate pair, its range clipped to the observed one."""
-    high = low + widest * num_steps
-    grid_low = deltas[:, None] * offsets[None, :]
-    grid_high = grid_low + deltas[:, None] * num_steps
-    grid_low = grid_low.clamp_min(low)
-    grid_high = grid_high.clamp_max(high)
-    new_deltas = ((grid_high - grid_low) / num_steps).clamp_min(_MINIMUM_STEP)
-    return new_deltas, (grid_low / new_deltas).round()
+    """17 steps from 1/16 to 17/16 of the observed one, each with 21 offsets from
+    ``-steps`` to 0, clamped into the observed range (one that spans it is dropped), and the
+    observed grid itself."""
+    observed = (high - low) / num_steps
+    offset = round(low / observed)
+    low = observed * offset
+    high = low + observed * num_steps
+    deltas, offsets = [], []
+    for f in range(1, _ASYMMETRIC_STEPS + 1):
+        for i in range(_OFFSETS):
+            delta, o = f / 16 * observed, int(-num_steps + num_steps / 20.0 * i)
+            grid_low, grid_high = delta * o, delta * o + delta * num_steps
+            if grid_low < low and grid_high > high:
+                continue
+            grid_low, grid_high = max(low, grid_low), min(high, grid_high)
+            delta = (grid_high - grid_low) / num_steps
+            if delta <= 0:
+                continue
+            deltas.append(delta)
+            offsets.append(float(round(grid_low / delta)))
+    deltas.append(observed)
+    offsets.append(float(offset))
+    return torch.tensor(deltas, dtype=torch.float64), torch.tensor(offsets, dtype=torch.float64)
 
 
-def _expected_error(
+def _cost(
     counts: torch.Tensor,
     edges: torch.Tensor,
     deltas: torch.Tensor,
     offsets: torch.Tensor,
     num_steps: int,
 ) -> torch.Tensor:
-    """Per candidate: sum over bins of count x (quantized midpoint - midpoint)^2, with the
-    error of clipped midpoints weighted by gamma."""
-    mids = (edges[:-1] + edges[1:]) / 2
-    q = (mids / deltas[..., None] - offsets[..., None]).round()
-    clipped = (q < 0) | (q > num_steps)
-    back = (q.clamp(0, num_steps) + offsets[..., None]) * deltas[..., None]
-    error = (back - mids).pow(2) * counts
-    error = torch.where(clipped, error * _GAMMA, error)
-    return error.sum(-1)
+    """Per candidate: the rounding cost of the buckets inside its grid plus gamma times the
+    saturation cost of those outside (buckets by index, as AIMET counts them). A midpoint's
+    rounding error does not depend on the offset (an integer); saturation sums come from
+    prefix sums; empty buckets are skipped."""
+    bins = counts.numel()
+    start, step = float(edges[0]), float(edges[1] - edges[0])
+    used = torch.nonzero(counts > 0).flatten()
+    weights = counts[used]
+    mids = start + used.to(torch.float64) * step + step / 2
+    low_bin = ((deltas * offsets - start) / step).floor().clamp(0, bins - 1)
+    high_bin = ((deltas * (offsets + num_steps) - start) / step).floor().clamp(0, bins - 1)
+    # saturation: sum of c * (m - a)^2 = a^2 C - 2 a M + S over the buckets below / above
+    c = torch.cat([weights.new_zeros(1), weights.cumsum(0)])
+    cm = torch.cat([weights.new_zeros(1), (weights * mids).cumsum(0)])
+    cmm = torch.cat([weights.new_zeros(1), (weights * mids * mids).cumsum(0)])
+    ranks = torch.cat([used.new_zeros(1), (counts > 0).to(torch.int64).cumsum(0)])
+    below = ranks[low_bin.to(torch.int64)]  # how many used buckets lie below low_bin
+    above = ranks[high_bin.to(torch.int64)]
+    low_mid = start + low_bin * step + step / 2
+    high_mid = start + high_bin * step + step / 2
+    sat_low = low_mid.square() * c[below] - 2 * low_mid * cm[below] + cmm[below]
+    top_c, top_cm, top_cmm = c[-1] - c[above], cm[-1] - cm[above], cmm[-1] - cmm[above]
+    sat_high = high_mid.square() * top_c - 2 * high_mid * top_cm + top_cmm
+    # rounding inside: delta^2 (round(m / delta) - m / delta)^2, float32 as AIMET may
+    t = mids.to(torch.float32)[None, :] / deltas.to(torch.float32)[:, None]
+    t.sub_(t.round()).square_().mul_(weights.to(torch.float32)[None, :])
+    index = used[None, :]
+    t.masked_fill_((index < low_bin[:, None]) | (index >= high_bin[:, None]), 0.0)
+    rounding = t.sum(1).to(torch.float64) * deltas.square()
+    return rounding + _GAMMA * (sat_low + sat_high)

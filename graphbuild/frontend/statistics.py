@@ -75,11 +75,12 @@ class _Observed:
             return
         if x.numel() == 0:
             return
-        low, high = torch.aminmax(x.detach().to(torch.float32))
+        x = x.detach().to(torch.float32)
+        low, high = torch.aminmax(x)
         self.low, self.high = torch.min(low, self.low), torch.max(high, self.high)
         self.calls.append((low, high))
         if self.histogram is not None:
-            self.histogram.add(x)
+            self.histogram.add(x, float(low), float(high))
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         if self.channels is not None:
@@ -108,12 +109,13 @@ class _Histogram:
         self.low = 0.0
         self.high = 0.0
 
-    def add(self, x: torch.Tensor) -> None:
-        values = x.detach().to(torch.float64).flatten()
-        values = values[torch.isfinite(values)]
-        if values.numel() == 0:
-            return
-        low, high = float(values.min()), float(values.max())
+    def add(self, x: torch.Tensor, low: float, high: float) -> None:
+        """Count the values of ``x`` (float32), whose extremes are ``low`` and ``high``."""
+        if not (math.isfinite(low) and math.isfinite(high)):
+            x = x[torch.isfinite(x)]
+            if x.numel() == 0:
+                return
+            low, high = float(x.min()), float(x.max())
         if self.counts is None:
             self.low, self.high = _widen(low, high)
             self.counts = torch.zeros(self.bins, dtype=torch.float64)
@@ -121,12 +123,23 @@ class _Histogram:
             new_low, new_high = _widen(min(low, self.low), max(high, self.high))
             self.counts = rebin(self.counts, self.low, self.high, new_low, new_high)
             self.low, self.high = new_low, new_high
-        self.counts += torch.histc(values, self.bins, self.low, self.high)
+        self.counts += _counts(x, self.bins, self.low, self.high)
 
 
 def _widen(low: float, high: float) -> tuple[float, float]:
     """A range with room: equal ends get half a unit either side (``torch.histc``'s rule)."""
     return (low - 0.5, high + 0.5) if low == high else (low, high)
+
+
+def _counts(x: torch.Tensor, bins: int, low: float, high: float) -> torch.Tensor:
+    """How many values of ``x`` fall in each of ``bins`` equal buckets of ``[low, high]``
+    (values outside are ignored; ``high`` falls in the last bucket), as ``torch.histc``
+    counts, by ``bincount`` (far cheaper than ``histc`` on small tensors)."""
+    flat = x.flatten()
+    flat = flat[(flat >= low) & (flat <= high)]
+    index = (flat.to(torch.float64) - low).mul_(bins / (high - low)).floor_()
+    index = index.clamp_(0, bins - 1).to(torch.int64)
+    return torch.bincount(index, minlength=bins).to(torch.float64)
 
 
 def rebin(
@@ -135,22 +148,16 @@ def rebin(
     """``counts`` over ``[low, high]`` spread over as many bins on ``[new_low, new_high]``
     (which contains it), each source bin in proportion to its overlap with each new bin."""
     bins = counts.numel()
-    edges = torch.linspace(low, high, bins + 1, dtype=torch.float64)
-    new_edges = torch.linspace(new_low, new_high, bins + 1, dtype=torch.float64)
-    # cumulative count at each new edge, the source's distribution taken as uniform per bin
     cumulative = torch.cat([torch.zeros(1, dtype=torch.float64), counts.cumsum(0)])
-    at_edges = _interp(new_edges, edges, cumulative)
-    return at_edges[1:] - at_edges[:-1]
-
-
-def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
-    """Piecewise-linear interpolation of ``(xp, fp)`` at ``x`` (clamped at the ends)."""
-    x = x.clamp(float(xp[0]), float(xp[-1]))
-    index = torch.searchsorted(xp, x, right=True).clamp(1, xp.numel() - 1)
-    x0, x1 = xp[index - 1], xp[index]
-    f0, f1 = fp[index - 1], fp[index]
-    span = torch.where(x1 > x0, x1 - x0, torch.ones_like(x1))
-    return f0 + (f1 - f0) * (x - x0) / span
+    # each new edge's position on the old bins, and the count below it (uniform per bin)
+    edges = torch.linspace(new_low, new_high, bins + 1, dtype=torch.float64)
+    position = ((edges - low) * (bins / (high - low))).clamp_(0, bins)
+    index = position.floor().clamp_(max=bins - 1)
+    fraction = position - index
+    index = index.to(torch.int64)
+    padded = torch.cat([counts, torch.zeros(1, dtype=torch.float64)])
+    below = cumulative[index] + fraction * padded[index]
+    return below[1:] - below[:-1]
 
 
 def static_statistics(
@@ -278,35 +285,48 @@ def observed_ranges(
     """What calibration says about each quantizer before any bit-width is known: the sites
     whose group saw ``inf`` (they stay float: no scale fits; site -> why), and the
     activations whose finite range spans fewer than :data:`DEGENERATE_STEPS` steps of the
-    smallest scale (observed node name -> [min, max]). A per-channel weight that saw a
-    non-finite value is an error."""
+    smallest scale (observed node name -> [min, max]). NaN anywhere, and a non-finite value
+    in a per-channel weight, are errors naming the tensor."""
+    verdicts = {g: _verdict(groups[g], stats) for g in {s["group"] for s in sites}}
     dropped: dict[int, str] = {}
     degenerate: dict[str, list[float]] = {}
     for site in sites:
-        group = groups[site["group"]]
-        low, high = stats[f"{site['group']}.min"], stats[f"{site['group']}.max"]
-        if bool((low.isnan() | high.isnan()).any()):
-            what = f" ('{site['tensor']}')" if site["tensor"] else ""
+        verdict, extremes = verdicts[site["group"]]
+        what = f"'{site['source']}'" + (f" ('{site['tensor']}')" if site["tensor"] else "")
+        if verdict == "nan":
             raise ExportError(
-                f"quantize: the values observed at '{site['source']}'{what} include NaN: no "
-                "range fits; fix the tensor or the model before quantizing"
+                f"quantize: the values observed at {what} include NaN: no range fits; fix "
+                "the tensor or the model before quantizing"
             )
-        untouched = (low == float("inf")) & (high == float("-inf"))
-        finite = torch.isfinite(low) & torch.isfinite(high)
-        if bool((~untouched & ~finite).any()):
-            if group["axis"] is not None:
+        if verdict == "infinite":
+            if groups[site["group"]]["axis"] is not None:
                 raise ExportError(
-                    f"quantize: the values observed at '{site['source']}' are not finite "
-                    f"(min {low.min().item()}, max {high.max().item()}); a quantizer there would "
-                    "have no valid scale. Use a finite attention mask or keep that op in float."
+                    f"quantize: the values observed at {what} are not finite ({extremes}); a "
+                    "quantizer there would have no valid scale. Use a finite attention mask "
+                    "or keep that op in float."
                 )
             dropped[site["index"]] = (
                 "calibration saw non-finite values (an additive -inf mask?): no scale fits"
             )
-            continue
-        if site["input"] in ("activation", "input") and low.numel() == 1:
-            lo, hi = float(torch.clamp(low, max=0.0)), float(torch.clamp(high, min=0.0))
-            finite = math.isfinite(lo) and math.isfinite(hi) and lo <= hi
-            if finite and 0.0 < hi - lo < DEGENERATE_STEPS * group["eps"]:  # zeros lose nothing
-                degenerate[site["source"]] = [float(low), float(high)]
+        elif verdict == "degenerate" and site["input"] in ("activation", "input"):
+            degenerate[site["source"]] = list(extremes)
     return dropped, degenerate
+
+
+def _verdict(group: Mapping[str, Any], stats: Mapping[str, torch.Tensor]) -> tuple[str, Any]:
+    """One group's statistics judged: ``nan``, ``infinite`` (with its extremes), ``degenerate``
+    (with [min, max]: a per-tensor range narrower than a few of its smallest steps) or ``ok``."""
+    index = group["index"]
+    low, high = stats[f"{index}.min"], stats[f"{index}.max"]
+    if bool((low.isnan() | high.isnan()).any()):
+        return "nan", None
+    untouched = (low == float("inf")) & (high == float("-inf"))
+    finite = torch.isfinite(low) & torch.isfinite(high)
+    if bool((~untouched & ~finite).any()):
+        return "infinite", f"min {low.min().item()}, max {high.max().item()}"
+    if low.numel() == 1:
+        lo, hi = float(torch.clamp(low, max=0.0)), float(torch.clamp(high, min=0.0))
+        finite_range = math.isfinite(lo) and math.isfinite(hi) and lo <= hi
+        if finite_range and 0.0 < hi - lo < DEGENERATE_STEPS * group["eps"]:  # zeros lose nothing
+            return "degenerate", (float(low), float(high))
+    return "ok", None

@@ -95,6 +95,18 @@ def lazy_builder(module: str, function: str) -> PipelineBuilder:
     return build
 
 
+def check_calibration(calibration: Any) -> None:
+    """An empty calibration set is a mistake (an exhausted generator, a filter that kept
+    nothing), refused rather than quietly calibrating on the sample inputs instead."""
+    if calibration is None or isinstance(calibration, (str, bytes)):
+        return
+    if hasattr(calibration, "__len__") and len(calibration) == 0:
+        raise ConfigError(
+            "calibration is empty: give at least one batch, or leave it unset (None) to "
+            "calibrate on the sample inputs"
+        )
+
+
 def coerce_options(options_type: type, options: Any, target: str) -> Any:
     """``options`` as ``options_type``: None gives the defaults, a mapping gives keyword
     arguments, an instance is taken as it is; anything else is a ConfigError naming the target

@@ -8,7 +8,7 @@ from typing import Any
 
 from graphbuild.errors import ConfigError
 from graphbuild.quant.range_methods import DEFAULT_RANGE_METHOD, needs_histograms, range_config
-from graphbuild.targets.base import BOOL, FLOAT, INT, STR, STRS, OptionType
+from graphbuild.targets.base import BOOL, FLOAT, INT, STR, STRS, OptionType, check_calibration
 
 FORMATS = ("onnx", "onnx_qdq")
 ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
@@ -60,13 +60,13 @@ class QnnOnnxOptions:
         for key in ("input_names", "output_names"):
             _check_names(key, getattr(self, key))
         range_config(self.range_method, self.range_percentile, self.range_averaging)
-        _check_calibration(self.calibration)
+        check_calibration(self.calibration)
 
     def to_context(self) -> dict[str, Any]:
         # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
         ctx = {f.name: getattr(self, f.name) for f in fields(self)}
         ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
-        _check_calibration(ctx["calibration"])
+        check_calibration(ctx["calibration"])
         for key in ("input_names", "output_names"):
             if ctx[key] is not None:
                 ctx[key] = list(ctx[key])
@@ -85,18 +85,6 @@ def _placement(quantizer: Any) -> Any:
     if preset in PRESETS:
         return PRESET_PLACEMENT
     return quantizer
-
-
-def _check_calibration(calibration: Any) -> None:
-    """An empty calibration set is a mistake (an exhausted generator, a filter that kept
-    nothing): refused, rather than calibrating on the sample inputs without a word."""
-    if calibration is None or isinstance(calibration, (str, bytes)):
-        return
-    if hasattr(calibration, "__len__") and len(calibration) == 0:
-        raise ConfigError(
-            "calibration is empty: give at least one batch, or leave it unset (None) to "
-            "calibrate on the sample inputs"
-        )
 
 
 def _check_names(key: str, names: Sequence[str] | None) -> None:

@@ -52,8 +52,10 @@ class Overlay(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         for layer in self.layers:
-            if name in layer:
+            try:  # not ``in``: a HostState would copy a device tensor to answer it
                 return layer[name]
+            except KeyError:
+                continue
         raise KeyError(name)
 
     def __iter__(self) -> Iterator[str]:
@@ -271,13 +273,18 @@ def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
     sites = layout["sites"]
     values: dict[int, QParams] = {}
     cache: dict[int, QParams] = {}
+    observers: dict[str, tuple[Any, Any]] = {}  # one per distinct grid: only min/max differ
     for site, qid in zip(sites, kept["qids"], strict=True):
         if qid is None:
             continue
         group = site["group"]
         if group not in cache:
-            spec = _spec_of(_rule(layout, group, preset), layout["groups"][group]["axis"])
-            observer = _observer(spec)
+            rule, axis = _rule(layout, group, preset), layout["groups"][group]["axis"]
+            grid = repr((sorted(rule.items()), axis))
+            if grid not in observers:
+                spec = _spec_of(rule, axis)
+                observers[grid] = (spec, _observer(spec))
+            spec, observer = observers[grid]
             low, high = stats[f"{group}.min"], stats[f"{group}.max"]
             if not is_static(group, sites) and low.numel() == 1:
                 steps = spec.quant_max - spec.quant_min
