@@ -24,6 +24,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["activation_range"]
@@ -66,21 +67,21 @@ def _moving_average(
     return low, high
 
 
-def _edges(counts: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
-    return torch.linspace(float(span[0]), float(span[1]), counts.numel() + 1, dtype=torch.float64)
+def _edges(bins: int, span: torch.Tensor) -> np.ndarray:
+    return np.linspace(float(span[0]), float(span[1]), bins + 1)
 
 
 def _percentile(
     counts: torch.Tensor, span: torch.Tensor, percentile: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    edges = _edges(counts, span)
+    edges = _edges(counts.numel(), span)
     if percentile >= 100.0:
-        return edges[0].to(dtype), edges[-1].to(dtype)
-    cumulative = counts.cumsum(0)
+        return torch.tensor(edges[0], dtype=dtype), torch.tensor(edges[-1], dtype=dtype)
+    cumulative = np.cumsum(counts.numpy())
     total = cumulative[-1]
-    top = torch.searchsorted(cumulative, total * percentile / 100.0)
-    bottom = torch.searchsorted(cumulative, total * (1.0 - percentile / 100.0))
-    return edges[bottom].to(dtype), edges[top].to(dtype)
+    top = int(np.searchsorted(cumulative, total * percentile / 100.0))
+    bottom = int(np.searchsorted(cumulative, total * (1.0 - percentile / 100.0)))
+    return torch.tensor(edges[bottom], dtype=dtype), torch.tensor(edges[top], dtype=dtype)
 
 
 def _least_error(
@@ -89,29 +90,33 @@ def _least_error(
     """AIMET's TF-enhanced search: the candidate grid (step ``delta``, offset ``o``: values
     ``delta * (o + [0, steps])``) of least cost over a histogram of ``_BINS`` buckets, the
     cost being each bucket midpoint's squared rounding error, and for buckets outside the
-    grid their squared distance to the midpoint of the end bucket, times ``_GAMMA``."""
-    counts = counts.to(torch.float64).reshape(_BINS, -1).sum(1)  # 2048 -> 512 buckets
-    edges = _edges(counts, span)
-    used = torch.nonzero(counts > 0).flatten()
-    if used.numel() == 0:
+    grid their squared distance to the midpoint of the end bucket, times ``_GAMMA``. In
+    numpy: small arrays, where torch's thread pool costs more than the arithmetic."""
+    counts_np = counts.numpy().astype(np.float64).reshape(_BINS, -1).sum(1)  # to 512 buckets
+    edges = _edges(_BINS, span)
+    used = np.flatnonzero(counts_np > 0)
+    if used.size == 0:
         return torch.tensor(0.0, dtype=dtype), torch.tensor(0.0, dtype=dtype)
-    low = min(float(edges[int(used[0])]), 0.0)  # left edges of the outermost used buckets
-    high = max(float(edges[int(used[-1])]), 0.0, low + _MIN_RANGE)
+    low = min(float(edges[used[0]]), 0.0)  # left edges of the outermost used buckets
+    high = max(float(edges[used[-1]]), 0.0, low + _MIN_RANGE)
     if symmetric:
         widest = 2 * max(abs(high), abs(low)) / num_steps
-        deltas = widest * torch.arange(1, _SYMMETRIC_STEPS + 1, dtype=torch.float64) / 100
-        offsets = torch.full_like(deltas, float(math.floor(-num_steps / 2)))
+        deltas = widest * np.arange(1, _SYMMETRIC_STEPS + 1, dtype=np.float64) / 100
+        offsets = np.full_like(deltas, float(math.floor(-num_steps / 2)))
     else:
         deltas, offsets = _asymmetric_candidates(low, high, num_steps)
-    cost = _cost(counts, edges, deltas, offsets, num_steps)
-    best = int(torch.argmin(cost))
+    cost = _cost(counts_np, edges, deltas, offsets, num_steps)
+    best = int(np.argmin(cost))
     lowest = deltas[best] * offsets[best]
-    return lowest.to(dtype), (lowest + num_steps * deltas[best]).to(dtype)
+    return (
+        torch.tensor(lowest, dtype=dtype),
+        torch.tensor(lowest + num_steps * deltas[best], dtype=dtype),
+    )
 
 
 def _asymmetric_candidates(
     low: float, high: float, num_steps: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[np.ndarray, np.ndarray]:
     """17 steps from 1/16 to 17/16 of the observed one, each with 21 offsets from
     ``-steps`` to 0, clamped into the observed range (one that spans it is dropped), and the
     observed grid itself."""
@@ -119,58 +124,54 @@ def _asymmetric_candidates(
     offset = round(low / observed)
     low = observed * offset
     high = low + observed * num_steps
-    deltas, offsets = [], []
-    for f in range(1, _ASYMMETRIC_STEPS + 1):
-        for i in range(_OFFSETS):
-            delta, o = f / 16 * observed, int(-num_steps + num_steps / 20.0 * i)
-            grid_low, grid_high = delta * o, delta * o + delta * num_steps
-            if grid_low < low and grid_high > high:
-                continue
-            grid_low, grid_high = max(low, grid_low), min(high, grid_high)
-            delta = (grid_high - grid_low) / num_steps
-            if delta <= 0:
-                continue
-            deltas.append(delta)
-            offsets.append(float(round(grid_low / delta)))
-    deltas.append(observed)
-    offsets.append(float(offset))
-    return torch.tensor(deltas, dtype=torch.float64), torch.tensor(offsets, dtype=torch.float64)
+    fractions = np.arange(1, _ASYMMETRIC_STEPS + 1, dtype=np.float64)[:, None] / 16
+    deltas = fractions * observed + np.zeros((1, _OFFSETS))
+    offsets = np.trunc(-num_steps + num_steps / 20.0 * np.arange(_OFFSETS))[None, :] + 0 * deltas
+    grid_low = deltas * offsets
+    grid_high = grid_low + deltas * num_steps
+    keep = ~((grid_low < low) & (grid_high > high))
+    grid_low, grid_high = np.maximum(low, grid_low), np.minimum(high, grid_high)
+    deltas = (grid_high - grid_low) / num_steps
+    keep &= deltas > 0
+    deltas = deltas[keep]
+    offsets = np.round(grid_low[keep] / deltas)
+    return np.append(deltas, observed), np.append(offsets, float(offset))
 
 
 def _cost(
-    counts: torch.Tensor,
-    edges: torch.Tensor,
-    deltas: torch.Tensor,
-    offsets: torch.Tensor,
+    counts: np.ndarray,
+    edges: np.ndarray,
+    deltas: np.ndarray,
+    offsets: np.ndarray,
     num_steps: int,
-) -> torch.Tensor:
+) -> np.ndarray:
     """Per candidate: the rounding cost of the buckets inside its grid plus gamma times the
     saturation cost of those outside (buckets by index, as AIMET counts them). A midpoint's
     rounding error does not depend on the offset (an integer); saturation sums come from
     prefix sums; empty buckets are skipped."""
-    bins = counts.numel()
+    bins = counts.size
     start, step = float(edges[0]), float(edges[1] - edges[0])
-    used = torch.nonzero(counts > 0).flatten()
+    used = np.flatnonzero(counts > 0)
     weights = counts[used]
-    mids = start + used.to(torch.float64) * step + step / 2
-    low_bin = ((deltas * offsets - start) / step).floor().clamp(0, bins - 1)
-    high_bin = ((deltas * (offsets + num_steps) - start) / step).floor().clamp(0, bins - 1)
+    mids = start + used * step + step / 2
+    low_bin = np.clip(np.floor((deltas * offsets - start) / step), 0, bins - 1).astype(np.int64)
+    high_bin = np.floor((deltas * (offsets + num_steps) - start) / step)
+    high_bin = np.clip(high_bin, 0, bins - 1).astype(np.int64)
     # saturation: sum of c * (m - a)^2 = a^2 C - 2 a M + S over the buckets below / above
-    c = torch.cat([weights.new_zeros(1), weights.cumsum(0)])
-    cm = torch.cat([weights.new_zeros(1), (weights * mids).cumsum(0)])
-    cmm = torch.cat([weights.new_zeros(1), (weights * mids * mids).cumsum(0)])
-    ranks = torch.cat([used.new_zeros(1), (counts > 0).to(torch.int64).cumsum(0)])
-    below = ranks[low_bin.to(torch.int64)]  # how many used buckets lie below low_bin
-    above = ranks[high_bin.to(torch.int64)]
+    c = np.concatenate([[0.0], np.cumsum(weights)])
+    cm = np.concatenate([[0.0], np.cumsum(weights * mids)])
+    cmm = np.concatenate([[0.0], np.cumsum(weights * mids * mids)])
+    ranks = np.concatenate([[0], np.cumsum(counts > 0)])
+    below, above = ranks[low_bin], ranks[high_bin]  # used buckets below low_bin, high_bin
     low_mid = start + low_bin * step + step / 2
     high_mid = start + high_bin * step + step / 2
-    sat_low = low_mid.square() * c[below] - 2 * low_mid * cm[below] + cmm[below]
+    sat_low = low_mid**2 * c[below] - 2 * low_mid * cm[below] + cmm[below]
     top_c, top_cm, top_cmm = c[-1] - c[above], cm[-1] - cm[above], cmm[-1] - cmm[above]
-    sat_high = high_mid.square() * top_c - 2 * high_mid * top_cm + top_cmm
-    # rounding inside: delta^2 (round(m / delta) - m / delta)^2, float32 as AIMET may
-    t = mids.to(torch.float32)[None, :] / deltas.to(torch.float32)[:, None]
-    t.sub_(t.round()).square_().mul_(weights.to(torch.float32)[None, :])
-    index = used[None, :]
-    t.masked_fill_((index < low_bin[:, None]) | (index >= high_bin[:, None]), 0.0)
-    rounding = t.sum(1).to(torch.float64) * deltas.square()
-    return rounding + _GAMMA * (sat_low + sat_high)
+    sat_high = high_mid**2 * top_c - 2 * high_mid * top_cm + top_cmm
+    # rounding inside: delta^2 (round(m / delta) - m / delta)^2
+    t = mids[None, :] / deltas[:, None]
+    t -= np.round(t)
+    t *= t
+    t *= weights[None, :]
+    t[(used[None, :] < low_bin[:, None]) | (used[None, :] >= high_bin[:, None])] = 0.0
+    return t.sum(1) * deltas**2 + _GAMMA * (sat_low + sat_high)

@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.export import ExportedProgram
 
@@ -92,7 +93,7 @@ class _Observed:
             out[f"{prefix}.calls_min"] = torch.stack([c[0] for c in self.calls])
             out[f"{prefix}.calls_max"] = torch.stack([c[1] for c in self.calls])
         if self.histogram is not None and self.histogram.counts is not None:
-            out[f"{prefix}.hist"] = self.histogram.counts.clone()
+            out[f"{prefix}.hist"] = torch.from_numpy(self.histogram.counts.copy())
             out[f"{prefix}.hist_range"] = torch.tensor(
                 [self.histogram.low, self.histogram.high], dtype=torch.float64
             )
@@ -101,29 +102,31 @@ class _Observed:
 
 class _Histogram:
     """Counts of the finite values over a range that widens as values arrive: on widening,
-    the counts so far are spread over the new bins by overlap (deterministic)."""
+    the counts so far are spread over the new bins by overlap (deterministic). Kept in
+    numpy: small arrays, where torch's thread pool costs more than the arithmetic."""
 
     def __init__(self, bins: int = HISTOGRAM_BINS) -> None:
         self.bins = bins
-        self.counts: torch.Tensor | None = None
+        self.counts: np.ndarray | None = None
         self.low = 0.0
         self.high = 0.0
 
     def add(self, x: torch.Tensor, low: float, high: float) -> None:
         """Count the values of ``x`` (float32), whose extremes are ``low`` and ``high``."""
+        values = x.detach().cpu().numpy().ravel()
         if not (math.isfinite(low) and math.isfinite(high)):
-            x = x[torch.isfinite(x)]
-            if x.numel() == 0:
+            values = values[np.isfinite(values)]
+            if values.size == 0:
                 return
-            low, high = float(x.min()), float(x.max())
+            low, high = float(values.min()), float(values.max())
         if self.counts is None:
             self.low, self.high = _widen(low, high)
-            self.counts = torch.zeros(self.bins, dtype=torch.float64)
+            self.counts = np.zeros(self.bins, dtype=np.float64)
         elif low < self.low or high > self.high:
             new_low, new_high = _widen(min(low, self.low), max(high, self.high))
             self.counts = rebin(self.counts, self.low, self.high, new_low, new_high)
             self.low, self.high = new_low, new_high
-        self.counts += _counts(x, self.bins, self.low, self.high)
+        self.counts += _counts(values, self.bins, self.low, self.high)
 
 
 def _widen(low: float, high: float) -> tuple[float, float]:
@@ -131,32 +134,28 @@ def _widen(low: float, high: float) -> tuple[float, float]:
     return (low - 0.5, high + 0.5) if low == high else (low, high)
 
 
-def _counts(x: torch.Tensor, bins: int, low: float, high: float) -> torch.Tensor:
-    """How many values of ``x`` fall in each of ``bins`` equal buckets of ``[low, high]``
-    (values outside are ignored; ``high`` falls in the last bucket), as ``torch.histc``
-    counts, by ``bincount`` (far cheaper than ``histc`` on small tensors)."""
-    flat = x.flatten()
-    flat = flat[(flat >= low) & (flat <= high)]
-    index = (flat.to(torch.float64) - low).mul_(bins / (high - low)).floor_()
-    index = index.clamp_(0, bins - 1).to(torch.int64)
-    return torch.bincount(index, minlength=bins).to(torch.float64)
+def _counts(values: np.ndarray, bins: int, low: float, high: float) -> np.ndarray:
+    """How many ``values`` fall in each of ``bins`` equal buckets of ``[low, high]`` (values
+    outside are ignored; ``high`` falls in the last bucket), as ``torch.histc`` counts."""
+    values = values[(values >= low) & (values <= high)].astype(np.float64)
+    index = np.floor((values - low) * (bins / (high - low))).astype(np.int64)
+    np.clip(index, 0, bins - 1, out=index)
+    return np.bincount(index, minlength=bins).astype(np.float64)
 
 
 def rebin(
-    counts: torch.Tensor, low: float, high: float, new_low: float, new_high: float
-) -> torch.Tensor:
+    counts: np.ndarray, low: float, high: float, new_low: float, new_high: float
+) -> np.ndarray:
     """``counts`` over ``[low, high]`` spread over as many bins on ``[new_low, new_high]``
     (which contains it), each source bin in proportion to its overlap with each new bin."""
-    bins = counts.numel()
-    cumulative = torch.cat([torch.zeros(1, dtype=torch.float64), counts.cumsum(0)])
+    bins = counts.size
+    cumulative = np.concatenate([[0.0], np.cumsum(counts)])
     # each new edge's position on the old bins, and the count below it (uniform per bin)
-    edges = torch.linspace(new_low, new_high, bins + 1, dtype=torch.float64)
-    position = ((edges - low) * (bins / (high - low))).clamp_(0, bins)
-    index = position.floor().clamp_(max=bins - 1)
+    edges = np.linspace(new_low, new_high, bins + 1)
+    position = np.clip((edges - low) * (bins / (high - low)), 0, bins)
+    index = np.minimum(np.floor(position), bins - 1).astype(np.int64)
     fraction = position - index
-    index = index.to(torch.int64)
-    padded = torch.cat([counts, torch.zeros(1, dtype=torch.float64)])
-    below = cumulative[index] + fraction * padded[index]
+    below = cumulative[index] + fraction * np.append(counts, 0.0)[index]
     return below[1:] - below[:-1]
 
 
