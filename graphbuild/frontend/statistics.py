@@ -257,22 +257,22 @@ def _check_batch(index: int, batch: tuple) -> None:
 
 
 def _check_no_nan(sites: Sequence[Mapping[str, Any]], stats: Mapping[str, torch.Tensor]) -> None:
-    bad = sorted(
-        {
-            s["source"]
-            for s in sites
-            if any(
-                bool(stats[f"{s['group']}.{end}"].isnan().any())
-                for end in ("min", "max")
-                if f"{s['group']}.{end}" in stats
-            )
-        }
-    )
+    """NaN from finite batches: refused, naming the first quantized tensor (in graph order)
+    where it appeared, where it comes from, and the others it reached."""
+    bad: list[str] = []
+    for site in sites:
+        group = site["group"]
+        ends = [stats.get(f"{group}.{end}") for end in ("min", "max")]
+        nan = any(t is not None and bool(t.isnan().any()) for t in ends)
+        if nan and site["source"] not in bad:
+            bad.append(site["source"])
     if bad:
-        shown = ", ".join(f"'{n}'" for n in bad[:8]) + (" ..." if len(bad) > 8 else "")
+        others = ", ".join(f"'{n}'" for n in bad[1:6]) + (" ..." if len(bad) > 6 else "")
+        also = f" (and reached {others})" if others else ""
         raise ExportError(
-            f"quantize: calibration produced NaN at {shown} (from finite inputs): no range "
-            "fits; find where the model makes NaN (a 0/0, a log of a negative number)"
+            f"quantize: calibration produced NaN, first at '{bad[0]}'{also}, from finite "
+            "inputs: no range fits; find where the model makes NaN (a 0/0, a log of a "
+            "negative number)"
         )
 
 
