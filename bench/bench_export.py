@@ -122,11 +122,11 @@ RERUN_TABLE = {
     # DESIGN.md invariant 13: a preset change and a range method recompute values only; a
     # recalibration reruns the forward passes and nothing structural
     "preset": (
-        ("capture", "place_quantizers", "calibrate", "weight_statistics", "to_onnx"),
+        ("capture", "place_quantizers", "calibrate", "weight_stats", "to_onnx"),
         ("quant_map", "qparams"),
     ),
     "recalibration": (
-        ("capture", "place_quantizers", "weight_statistics", "to_onnx"),
+        ("capture", "place_quantizers", "weight_stats", "to_onnx"),
         ("calibrate", "qparams"),
     ),
     "range": (("capture", "place_quantizers", "calibrate", "to_onnx"), ("qparams",)),

@@ -183,8 +183,8 @@ def statuses(art) -> dict[str, str]:
 
 def test_a_preset_change_recomputes_values_only(retuned):
     s = statuses(retuned.arts["preset"])
-    assert {n: s[n] for n in (*STRUCTURE, "calibrate", "weight_statistics")} == dict.fromkeys(
-        (*STRUCTURE, "calibrate", "weight_statistics"), "hit"
+    assert {n: s[n] for n in (*STRUCTURE, "calibrate", "weight_stats")} == dict.fromkeys(
+        (*STRUCTURE, "calibrate", "weight_stats"), "hit"
     )
     assert s["quant_map"] == s["qparams"] == "ran"
     assert retuned.arts["preset"].report["qparams"].reason == "ctx.quantizer: w8a16 -> w8a8"
@@ -194,7 +194,7 @@ def test_a_recalibration_reruns_the_forward_passes_and_nothing_structural(retune
     s = statuses(retuned.arts["recalibration"])
     assert s["calibrate"] == "ran" and s["qparams"] == "ran"
     assert "ctx.calibration" in retuned.arts["recalibration"].report["calibrate"].reason
-    assert all(s[n] in ("hit", "cutoff") for n in (*STRUCTURE, "weight_statistics"))
+    assert all(s[n] in ("hit", "cutoff") for n in (*STRUCTURE, "weight_stats"))
     # the same quantizers stay float: the marker graph is cut off, not rebuilt
     assert s["left_float"] == "ran" and s["marker_graph"] == "cutoff"
 
@@ -290,7 +290,7 @@ def test_a_weight_change_refolds_and_recollects_statistics_but_keeps_the_placeme
         art = export(model, samples, tmp_path / "out", cache, **options)
     s = statuses(art)
     assert all(s[n] in ("hit", "cutoff") for n in STRUCTURE), s
-    assert s["fold_weights"] == s["weight_statistics"] == s["calibrate"] == "ran"
+    assert s["fold_weights"] == s["weight_stats"] == s["calibrate"] == "ran"
     assert s["bind"] == "ran"
     golden = export(model, samples, tmp_path / "one", False, factory=one_stage, **options)
     assert files(art) == files(golden)

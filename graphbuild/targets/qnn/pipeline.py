@@ -363,7 +363,7 @@ def build_qnn_pipeline(
         cov = p.register_stage(
             quantization.coverage, "coverage", reads=("ctx.quantizer", "ctx.strict_coverage")
         ).depends_on(
-            lower, qmap, qp, parts["placement"], parts["weight_statistics"], parts["calibrate"]
+            lower, qmap, qp, parts["placement"], parts["weight_stats"], parts["calibrate"]
         )
     else:
         enc = p.register_stage(encodings, "encodings", reads=enc_reads)

@@ -3,15 +3,15 @@ invariant 13).
 
 ::
 
-    capture -> place_quantizers -> placement -+-> weight_statistics -+-> left_float -> marker_graph
-                   |   batchnorm_program -> fold_weights -+           |       |
+    capture -> place_quantizers -> placement -+-> weight_stats -+-> left_float -> marker_graph
+                   |   fold_source -> fold_weights -+           |       |
                    +------------------------------> calibrate -------+   quant_map -> qparams
 
 - **place_quantizers** (structure): ``prepare_pt2e`` with the preset family's quantizer on the
   captured program, observers replaced by numbered markers, traced once. It reads which
   tensors the presets quantize (``ctx.quantizer_placement``), never the bit-widths: the
   three presets share it, and it records each one's bit-width and symmetry per observer.
-- **fold_weights**, **weight_statistics** (values of the weights): the BatchNorm fold on the
+- **fold_weights**, **weight_stats** (values of the weights): the BatchNorm fold on the
   real weights, and the min/max of every stored tensor a quantizer reads.
 - **calibrate** (statistics): the site program run over the calibration batches; per
   observer the min/max, each call's range and, for the percentile and MSE range methods,
@@ -117,7 +117,7 @@ def placement(inputs: tuple, samples: Any, context: Any) -> tuple:
     return layout, created
 
 
-def batchnorm_program(inputs: tuple, samples: Any, context: Any) -> Any:
+def fold_source(inputs: tuple, samples: Any, context: Any) -> Any:
     """The captured program when the placement folded BatchNorm (``fold_weights`` replays
     the fold on the real weights), else nothing: a model without BatchNorm loads nothing."""
     captured, (layout, _) = inputs
@@ -137,7 +137,7 @@ def fold_weights(inputs: tuple, samples: Any, context: Any) -> dict:
 # --------------------------------------------------------------------------- statistics
 
 
-def weight_statistics(inputs: tuple, samples: Any, context: Any) -> dict:
+def weight_stats(inputs: tuple, samples: Any, context: Any) -> dict:
     """Statistics of the quantizers that read stored tensors: from the tensors alone."""
     from graphbuild.frontend.statistics import static_statistics
 
@@ -401,18 +401,18 @@ def _quantize_dequantize(x: torch.Tensor, spec: QuantSpec, value: QParams) -> to
 def wire_split_quantization(p: Pipeline, cap: StageRef) -> dict[str, StageRef]:
     """Register the structure, statistics and value stages after ``cap``; returns the
     stages the rest of the pipeline builds on (``marker_graph``, ``quant_map``,
-    ``qparams``, ``placement``, ``fold_weights``, ``weight_statistics``, ``calibrate``)."""
+    ``qparams``, ``placement``, ``fold_weights``, ``weight_stats``, ``calibrate``)."""
     place = p.register_stage(
         place_quantizers,
         "place_quantizers",
         reads=("ctx.quantizer_placement", "registry.quantizer_presets", "samples.spec"),
     ).depends_on(cap)
     layout = p.register_stage(placement, "placement", reads=()).depends_on(place)
-    bn = p.register_stage(batchnorm_program, "batchnorm_program", reads=())
+    bn = p.register_stage(fold_source, "fold_source", reads=())
     bn.depends_on(cap, layout)
     folded = p.register_stage(fold_weights, "fold_weights", reads=("input.state",))
     folded.depends_on(bn, layout)
-    weights = p.register_stage(weight_statistics, "weight_statistics", reads=("input.state",))
+    weights = p.register_stage(weight_stats, "weight_stats", reads=("input.state",))
     weights.depends_on(layout, folded)
     acts = p.register_stage(
         calibrate,
@@ -437,6 +437,6 @@ def wire_split_quantization(p: Pipeline, cap: StageRef) -> dict[str, StageRef]:
         "qparams": values,
         "placement": layout,
         "fold_weights": folded,
-        "weight_statistics": weights,
+        "weight_stats": weights,
         "calibrate": acts,
     }
