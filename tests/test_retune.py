@@ -276,6 +276,21 @@ def test_the_split_writes_what_the_one_stage_pipeline_writes(tmp_path, which, pr
     assert split.report.extra["numerics"] == golden.report.extra["numerics"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["onnx", "onnx_qdq"])
+@pytest.mark.parametrize("preset", ["w8a8", "w8a16", "w4a16"])
+@pytest.mark.parametrize("name", ["resnet", "mobilenetv3", "bert", "gpt2", "llama", "vit"])
+def test_the_zoo_splits_to_what_the_one_stage_pipeline_writes(tmp_path, name, preset, fmt):
+    pytest.importorskip("transformers", reason="the zoo's transformer models need it")
+    from tests import zoo
+
+    model, samples = zoo.build(name)
+    options = dict(quantizer=preset, calibration=zoo.calibration(name, 2))
+    split = export(model, samples, tmp_path / "split", False, fmt=fmt, **options)
+    golden = export(model, samples, tmp_path / "one", False, fmt=fmt, factory=one_stage, **options)
+    assert files(split) == files(golden)
+
+
 def test_a_weight_change_refolds_and_recollects_statistics_but_keeps_the_placement(
     tmp_path, monkeypatch
 ):

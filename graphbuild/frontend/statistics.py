@@ -54,7 +54,7 @@ def is_static(group: int, sites: Sequence[Mapping[str, Any]]) -> bool:
     return bool(members) and all(s["input"] in ("state", "constant") for s in members)
 
 
-class _Observed:
+class GroupStatistics:
     """The statistics of one group as calibration goes. Per tensor: torchao's
     ``MinMaxObserver.forward`` written out (the same ops, so the same range), keeping each
     call's range too; per channel (weights): torchao's ``PerChannelMinMaxObserver``."""
@@ -68,7 +68,7 @@ class _Observed:
         self.low = torch.tensor(float("inf"))
         self.high = torch.tensor(float("-inf"))
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.histogram = _Histogram() if histogram and axis is None else None
+        self.histogram = Histogram() if histogram and axis is None else None
 
     def __call__(self, x: torch.Tensor) -> None:
         if self.channels is not None:
@@ -100,7 +100,7 @@ class _Observed:
         return out
 
 
-class _Histogram:
+class Histogram:
     """Counts of the finite values over a range that widens as values arrive: on widening,
     the counts so far are spread over the new bins by overlap (deterministic). Kept in
     numpy: small arrays, where torch's thread pool costs more than the arithmetic."""
@@ -126,7 +126,7 @@ class _Histogram:
             new_low, new_high = _widen(min(low, self.low), max(high, self.high))
             self.counts = rebin(self.counts, self.low, self.high, new_low, new_high)
             self.low, self.high = new_low, new_high
-        self.counts += _counts(values, self.bins, self.low, self.high)
+        self.counts += bucket_counts(values, self.bins, self.low, self.high)
 
 
 def _widen(low: float, high: float) -> tuple[float, float]:
@@ -134,7 +134,7 @@ def _widen(low: float, high: float) -> tuple[float, float]:
     return (low - 0.5, high + 0.5) if low == high else (low, high)
 
 
-def _counts(values: np.ndarray, bins: int, low: float, high: float) -> np.ndarray:
+def bucket_counts(values: np.ndarray, bins: int, low: float, high: float) -> np.ndarray:
     """How many ``values`` fall in each of ``bins`` equal buckets of ``[low, high]`` (values
     outside are ignored; ``high`` falls in the last bucket), as ``torch.histc`` counts."""
     values = values[(values >= low) & (values <= high)].astype(np.float64)
@@ -166,7 +166,7 @@ def static_statistics(
 ) -> dict[str, torch.Tensor]:
     """Statistics of the static groups, from the stored tensors they read (``tensors``: by
     state or constant name)."""
-    observed: dict[int, _Observed] = {}
+    observed: dict[int, GroupStatistics] = {}
     for site in sites:
         group = site["group"]
         if not is_static(group, sites):
@@ -175,7 +175,7 @@ def static_statistics(
         if name not in tensors:
             raise ExportError(f"no tensor '{name}' for the quantizer that reads it")
         if group not in observed:
-            observed[group] = _Observed(groups[group]["axis"], histogram=False)
+            observed[group] = GroupStatistics(groups[group]["axis"], histogram=False)
         observed[group](tensors[name])
     out: dict[str, torch.Tensor] = {}
     for group, obs in sorted(observed.items()):
@@ -196,7 +196,7 @@ def calibrate(
     so is a quantized tensor whose values went NaN on finite inputs."""
     watched = {s["index"] for s in sites if not is_static(s["group"], sites)}
     observed = {
-        s["group"]: _Observed(groups[s["group"]]["axis"], histograms)
+        s["group"]: GroupStatistics(groups[s["group"]]["axis"], histograms)
         for s in sites
         if s["index"] in watched
     }

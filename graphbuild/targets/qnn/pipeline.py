@@ -362,9 +362,7 @@ def build_qnn_pipeline(
         enc = p.register_stage(quantization.encodings, "encodings", reads=(*enc_reads, "ctx.range"))
         cov = p.register_stage(
             quantization.coverage, "coverage", reads=("ctx.quantizer", "ctx.strict_coverage")
-        ).depends_on(
-            lower, qmap, qp, parts["placement"], parts["weight_stats"], parts["calibrate"]
-        )
+        ).depends_on(lower, qmap, qp, parts["placement"], parts["weight_stats"], parts["calibrate"])
     else:
         enc = p.register_stage(encodings, "encodings", reads=enc_reads)
         cov = p.register_stage(
