@@ -334,9 +334,11 @@ def build_qnn_pipeline(
     onnx = p.register_stage(
         to_onnx, "to_onnx", reads=("ctx.opset", "ctx.input_names", "ctx.output_names")
     ).depends_on(graph)
+    # a preset's ``onnx`` lowering reads which tensor each qid marks, not the grids
+    marks = parts["quant_sites"] if split and fmt == "onnx" else qmap
     lower = p.register_stage(
         lower_onnx if fmt == "onnx" else lower_qdq, "lower_markers", reads=()
-    ).depends_on(onnx, qmap)
+    ).depends_on(onnx, marks)
     bind_values = qp
     if fmt == "onnx":  # only weight scales reach the float graph (snapped weights)
         bind_values = p.register_stage(weight_qparams, "weight_qparams", reads=())

@@ -217,7 +217,22 @@ def quant_map(inputs: tuple, samples: Any, context: Any) -> tuple:
     """The preset's grid for every kept quantizer (and, as the one-stage path records it,
     what calibration left float)."""
     (layout, _), kept = inputs
-    preset = _preset(context["quantizer"])
+    return _quant_map(layout, kept, _preset(context["quantizer"]))
+
+
+def quant_sites(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """The quant map of the first preset, whatever preset is set: what lowering for
+    ``onnx`` reads (which tensor each qid marks, never a grid), the same for every preset,
+    so a preset change does not lower the skeleton again. (The split's outputs are compared
+    byte for byte with the one-stage pipeline's for every preset: a lowering that read a
+    grid would show there.)"""
+    from graphbuild.targets.qnn.options import PRESETS
+
+    (layout, _), kept = inputs
+    return _quant_map(layout, kept, PRESETS[0])
+
+
+def _quant_map(layout: Mapping[str, Any], kept: Mapping[str, Any], preset: str) -> tuple:
     specs = []
     for site, qid in zip(layout["sites"], kept["qids"], strict=True):
         if qid is None:
@@ -400,7 +415,7 @@ def _quantize_dequantize(x: torch.Tensor, spec: QuantSpec, value: QParams) -> to
 
 def wire_split_quantization(p: Pipeline, cap: StageRef) -> dict[str, StageRef]:
     """Register the structure, statistics and value stages after ``cap``; returns the
-    stages the rest of the pipeline builds on (``marker_graph``, ``quant_map``,
+    stages the rest of the pipeline builds on (``marker_graph``, ``quant_map``, ``quant_sites``,
     ``qparams``, ``placement``, ``fold_weights``, ``weight_stats``, ``calibrate``)."""
     place = p.register_stage(
         place_quantizers,
@@ -429,11 +444,13 @@ def wire_split_quantization(p: Pipeline, cap: StageRef) -> dict[str, StageRef]:
     graph = p.register_stage(marker_graph, "marker_graph", reads=()).depends_on(place, kept)
     qmap = p.register_stage(quant_map, "quant_map", reads=("ctx.quantizer",))
     qmap.depends_on(layout, kept)
+    sites = p.register_stage(quant_sites, "quant_sites", reads=()).depends_on(layout, kept)
     values = p.register_stage(qparams, "qparams", reads=("ctx.quantizer", "ctx.range"))
     values.depends_on(layout, weights, acts, kept)
     return {
         "marker_graph": graph,
         "quant_map": qmap,
+        "quant_sites": sites,
         "qparams": values,
         "placement": layout,
         "fold_weights": folded,
