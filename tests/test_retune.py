@@ -398,3 +398,25 @@ def test_an_unused_range_parameter_changes_no_key():
     # the placement is the same for every built-in preset
     d = gb.QnnOnnxOptions(quantizer="w4a16").to_context()
     assert a["quantizer_placement"] == d["quantizer_placement"]
+
+
+# --------------------------------------------------------------------------- reloading
+
+
+def test_a_reloaded_program_is_decoded_once_per_process_and_afresh_after_an_edit():
+    from graphbuild.engine.codecs import decode, encode
+    from graphbuild.frontend.capture import capture_program
+
+    model, samples, _ = batchnorm_net()
+    encoded = encode(capture_program(model, samples))
+    parts = {p.digest: bytes(p.data) for p in encoded.all_parts()}
+
+    def load():
+        return decode(encoded.describe(), lambda digest, size: parts[digest])
+
+    first, second = load(), load()
+    assert second is first  # a recalibration does not pay torch's deserializer again
+    node = next(iter(first.program.graph.nodes))
+    node.meta["edited"] = True  # a stage that edits its input in place (an error)
+    third = load()
+    assert third is not first and "edited" not in next(iter(third.program.graph.nodes)).meta
