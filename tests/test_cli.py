@@ -56,7 +56,6 @@ PRESET_DEPENDENTS = {
     "quant_map",
     "qparams",
     "weight_qparams",
-    "weight_digests",
     "bind",
     "encodings",
     "coverage",
