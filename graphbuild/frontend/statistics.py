@@ -38,7 +38,7 @@ __all__ = [
     "DEGENERATE_STEPS",
     "HISTOGRAM_BINS",
     "calibrate",
-    "is_static",
+    "static_groups",
     "observed_ranges",
     "static_statistics",
 ]
@@ -48,10 +48,10 @@ HISTOGRAM_BINS = 2048
 DEGENERATE_STEPS = 16
 
 
-def is_static(group: int, sites: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether every site of ``group`` reads a stored tensor (its statistics need no data)."""
-    members = [s for s in sites if s["group"] == group]
-    return bool(members) and all(s["input"] in ("state", "constant") for s in members)
+def static_groups(sites: Sequence[Mapping[str, Any]]) -> set[int]:
+    """The groups whose every site reads a stored tensor: their statistics need no data."""
+    groups = {s["group"] for s in sites}
+    return groups - {s["group"] for s in sites if s["input"] not in ("state", "constant")}
 
 
 class GroupStatistics:
@@ -167,9 +167,10 @@ def static_statistics(
     """Statistics of the static groups, from the stored tensors they read (``tensors``: by
     state or constant name)."""
     observed: dict[int, GroupStatistics] = {}
+    static = static_groups(sites)
     for site in sites:
         group = site["group"]
-        if not is_static(group, sites):
+        if group not in static:
             continue
         name = site["tensor"]
         if name not in tensors:
@@ -194,7 +195,8 @@ def calibrate(
     """Run ``program`` (a site program with real state) over ``batches`` and return the
     statistics of every group that is not static. A batch holding NaN is refused, naming it;
     so is a quantized tensor whose values went NaN on finite inputs."""
-    watched = {s["index"] for s in sites if not is_static(s["group"], sites)}
+    static = static_groups(sites)
+    watched = {s["index"] for s in sites if s["group"] not in static}
     observed = {
         s["group"]: GroupStatistics(groups[s["group"]]["axis"], histograms)
         for s in sites

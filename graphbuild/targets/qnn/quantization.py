@@ -277,48 +277,78 @@ def _observer(spec: Any) -> Any:
 def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
     """Values: every kept quantizer's scale and zero point, from the statistics, the
     preset's grid and the range method: what ``convert_pt2e`` would write (per tensor as
-    the literal it writes, per channel as the tensor)."""
+    the literal it writes, per channel as the tensor). The asymmetric per-tensor groups of
+    one grid go through their observer's arithmetic together (elementwise: the same
+    numbers)."""
     from graphbuild.frontend.ranges import activation_range
-    from graphbuild.frontend.statistics import is_static
+    from graphbuild.frontend.statistics import static_groups
 
     (layout, _), weights, activations, kept = inputs
     stats = {**weights, **activations}
     preset = _preset(context["quantizer"])
-    config = context["range"]
     sites = layout["sites"]
-    values: dict[int, QParams] = {}
-    cache: dict[int, QParams] = {}
+    static = static_groups(sites)
     observers: dict[str, tuple[Any, Any]] = {}  # one per distinct grid: only min/max differ
+    ranges: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
     for site, qid in zip(sites, kept["qids"], strict=True):
-        if qid is None:
-            continue
         group = site["group"]
-        if group not in cache:
-            rule, axis = _rule(layout, group, preset), layout["groups"][group]["axis"]
-            grid = repr((sorted(rule.items()), axis))
-            if grid not in observers:
-                spec = _spec_of(rule, axis)
-                observers[grid] = (spec, _observer(spec))
+        if qid is None or group in ranges:
+            continue
+        rule, axis = _rule(layout, group, preset), layout["groups"][group]["axis"]
+        grid = repr((sorted(rule.items()), axis))
+        if grid not in observers:
+            spec = _spec_of(rule, axis)
+            observers[grid] = (spec, _observer(spec))
+        spec = observers[grid][0]
+        low, high = stats[f"{group}.min"], stats[f"{group}.max"]
+        if group not in static and low.numel() == 1:
+            steps = spec.quant_max - spec.quant_min
+            symmetric = spec.qscheme == torch.per_tensor_symmetric
+            low, high = activation_range(stats, group, context["range"], steps, symmetric)
+        ranges[group] = (grid, low, high)
+    values = _batched_qparams(ranges, observers)
+    for group, (grid, low, high) in ranges.items():
+        if group not in values:
             spec, observer = observers[grid]
-            low, high = stats[f"{group}.min"], stats[f"{group}.max"]
-            if not is_static(group, sites) and low.numel() == 1:
-                steps = spec.quant_max - spec.quant_min
-                symmetric = spec.qscheme == torch.per_tensor_symmetric
-                low, high = activation_range(stats, group, config, steps, symmetric)
             observer.min_val, observer.max_val = low.clone(), high.clone()
-            scale, zero_point = observer.calculate_qparams()
-            if scale.numel() == 1 and spec.qscheme in (
-                torch.per_tensor_affine,
-                torch.per_tensor_symmetric,
-            ):
-                scale = torch.tensor([float(scale)], dtype=torch.float64)
-                zero_point = torch.tensor([int(zero_point)], dtype=torch.int64)
-            cache[group] = QParams(
-                scale.to(torch.float32).reshape(-1).clone(),
-                zero_point.to(torch.int64).reshape(-1).clone(),
-            )
-        values[qid] = cache[group]
-    return QuantValues(values).to_tensors()
+            values[group] = _as_written(spec, *observer.calculate_qparams())
+    return QuantValues(
+        {q: values[s["group"]] for s, q in zip(sites, kept["qids"], strict=True) if q is not None}
+    ).to_tensors()
+
+
+def _batched_qparams(
+    ranges: Mapping[int, tuple[str, torch.Tensor, torch.Tensor]],
+    observers: Mapping[str, tuple[Any, Any]],
+) -> dict[int, QParams]:
+    """The asymmetric per-tensor groups with an observed range, one observer call per grid."""
+    members: dict[str, list[int]] = {}
+    for group, (grid, low, high) in ranges.items():
+        spec = observers[grid][0]
+        ok = low.numel() == 1 and bool(torch.isfinite(low) & torch.isfinite(high) & (low <= high))
+        if spec.qscheme == torch.per_tensor_affine and ok:
+            members.setdefault(grid, []).append(group)
+    out: dict[int, QParams] = {}
+    for grid, groups in members.items():
+        spec, observer = observers[grid]
+        low = torch.stack([ranges[g][1].reshape(()) for g in groups])
+        high = torch.stack([ranges[g][2].reshape(()) for g in groups])
+        scales, zero_points = observer._calculate_qparams(low, high)
+        for i, group in enumerate(groups):
+            out[group] = _as_written(spec, scales[i], zero_points[i])
+    return out
+
+
+def _as_written(spec: Any, scale: torch.Tensor, zero_point: torch.Tensor) -> QParams:
+    """Scale and zero point as ``convert_pt2e`` writes them and ``normalize`` reads them back:
+    per tensor a Python float and int in the graph, per channel the tensors."""
+    if scale.numel() == 1 and spec.qscheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        scale = torch.tensor([float(scale)], dtype=torch.float64)
+        zero_point = torch.tensor([int(zero_point)], dtype=torch.int64)
+    return QParams(
+        scale.to(torch.float32).reshape(-1).clone(),
+        zero_point.to(torch.int64).reshape(-1).clone(),
+    )
 
 
 def bind_weights(inputs: tuple, samples: Any, context: Any) -> Any:
