@@ -316,18 +316,20 @@ def observed_ranges(
 
 def _verdict(group: Mapping[str, Any], stats: Mapping[str, torch.Tensor]) -> tuple[str, Any]:
     """One group's statistics judged: ``nan``, ``infinite`` (with its extremes), ``degenerate``
-    (with [min, max]: a per-tensor range narrower than a few of its smallest steps) or ``ok``."""
+    (with [min, max]: a per-tensor range narrower than a few of its smallest steps) or ``ok``.
+    In numpy: a few numbers, where torch's per-op cost dominates."""
     index = group["index"]
-    low, high = stats[f"{index}.min"], stats[f"{index}.max"]
-    if bool((low.isnan() | high.isnan()).any()):
+    low = stats[f"{index}.min"].detach().cpu().numpy()
+    high = stats[f"{index}.max"].detach().cpu().numpy()
+    if np.isnan(low).any() or np.isnan(high).any():
         return "nan", None
-    untouched = (low == float("inf")) & (high == float("-inf"))
-    finite = torch.isfinite(low) & torch.isfinite(high)
-    if bool((~untouched & ~finite).any()):
-        return "infinite", f"min {low.min().item()}, max {high.max().item()}"
-    if low.numel() == 1:
-        lo, hi = float(torch.clamp(low, max=0.0)), float(torch.clamp(high, min=0.0))
+    untouched = (low == np.inf) & (high == -np.inf)
+    finite = np.isfinite(low) & np.isfinite(high)
+    if (~untouched & ~finite).any():
+        return "infinite", f"min {float(low.min())}, max {float(high.max())}"
+    if low.size == 1:
+        lo, hi = min(float(low.reshape(())), 0.0), max(float(high.reshape(())), 0.0)
         finite_range = math.isfinite(lo) and math.isfinite(hi) and lo <= hi
         if finite_range and 0.0 < hi - lo < DEGENERATE_STEPS * group["eps"]:  # zeros lose nothing
-            return "degenerate", (float(low), float(high))
+            return "degenerate", (float(low.reshape(())), float(high.reshape(())))
     return "ok", None
