@@ -3,9 +3,10 @@ invariant 13).
 
 ::
 
-    capture -> place_quantizers -> placement -+-> weight_stats -+-> left_float -> marker_graph
-                   |   fold_source -> fold_weights -+           |       |
-                   +------------------------------> calibrate -------+   quant_map -> qparams
+    capture -> place_quantizers ---------------------------------> marker_graph -> to_onnx
+                 |  placement -> weight_stats -----+-> left_float --^
+                 |  fold_source -> fold_weights    |      +-> quant_map, quant_sites
+                 +------------------> calibrate ---+----------> qparams
 
 - **place_quantizers** (structure): ``prepare_pt2e`` with the preset family's quantizer on the
   captured program, observers replaced by numbered markers, traced once. It reads which
@@ -20,7 +21,8 @@ invariant 13).
   of each other one; **marker_graph** drops those markers (a structure change, rare).
 - **quant_map** and **qparams** (values): the preset's grids, and scales and zero points
   from the statistics and the range method: what a preset change or a new range method
-  reruns, with no trace and no calibration pass.
+  reruns, with no trace and no calibration pass. **quant_sites** is the quant map of the
+  first preset, what ``onnx`` lowering reads (which tensor each qid marks).
 
 The exported files are byte for byte those of the one-stage PT2E quantize
 (``build_qnn_pipeline(..., split=False)``), which tests check.
