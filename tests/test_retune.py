@@ -256,9 +256,9 @@ def test_range_methods_change_the_activation_encodings_not_the_weights(retuned):
     ("which", "preset", "fmt"),
     [
         ("decoder", "w8a16", "onnx"),
-        ("decoder", "w4a16", "onnx_qdq"),
+        pytest.param("decoder", "w4a16", "onnx_qdq", marks=pytest.mark.slow),
         ("batchnorm", "w8a8", "onnx_qdq"),
-        ("batchnorm", "w4a16", "onnx"),
+        pytest.param("batchnorm", "w4a16", "onnx", marks=pytest.mark.slow),
     ],
 )
 def test_the_split_writes_what_the_one_stage_pipeline_writes(tmp_path, which, preset, fmt):
