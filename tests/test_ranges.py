@@ -16,16 +16,18 @@ from graphbuild.frontend.statistics import (
     HISTOGRAM_BINS,
     GroupStatistics,
     Histogram,
+    Statistics,
     bucket_counts,
+    pack,
     rebin,
 )
 
 
-def observe(batches: list[torch.Tensor], histogram: bool = True) -> dict[str, torch.Tensor]:
+def observe(batches: list[torch.Tensor], histogram: bool = True) -> Statistics:
     obs = GroupStatistics(axis=None, histogram=histogram)
     for x in batches:
         obs(x)
-    return obs.tensors("0")
+    return Statistics(pack({0: obs}))
 
 
 def heavy_tailed(seed: int, n: int = 4, size: int = 4096) -> list[torch.Tensor]:
@@ -63,7 +65,7 @@ def test_percentile_lands_within_a_bucket_of_the_datas_percentile():
     config = {"method": "percentile", "percentile": 99.0}
     low, high = ranges.activation_range(stats, 0, config, 255, False)
     data = torch.cat(batches).numpy()
-    span = stats["0.hist_range"]
+    span = stats.histogram(0)[1]
     bucket = float(span[1] - span[0]) / HISTOGRAM_BINS
     assert abs(float(high) - np.percentile(data, 99.0)) <= 2 * bucket
     assert abs(float(low) - np.percentile(data, 1.0)) <= 2 * bucket

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphbuild.frontend.statistics import Statistics
+
 __all__ = ["activation_range"]
 
 #: AIMET TF-enhanced's search: buckets, candidate steps (asymmetric, symmetric), offsets,
@@ -36,7 +38,7 @@ _MIN_RANGE = 0.01
 
 
 def activation_range(
-    stats: Mapping[str, torch.Tensor],
+    stats: Statistics,
     group: int,
     config: Mapping[str, Any],
     num_steps: int,
@@ -44,12 +46,14 @@ def activation_range(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(min, max)`` of a per-tensor group under the range method ``config``, for a grid of
     ``num_steps`` steps (``2^bits - 1``), symmetric or not."""
-    low, high = stats[f"{group}.min"], stats[f"{group}.max"]
+    low, high = stats.range(group)
     method = config["method"]
-    if method == "moving_average" and f"{group}.calls_min" in stats:
-        return _moving_average(stats[f"{group}.calls_min"], stats[f"{group}.calls_max"], config)
-    if method in ("percentile", "mse") and f"{group}.hist" in stats:
-        counts, span = stats[f"{group}.hist"], stats[f"{group}.hist_range"]
+    calls = stats.calls(group)
+    if method == "moving_average" and calls is not None:
+        return _moving_average(*calls, config)
+    histogram = stats.histogram(group)
+    if method in ("percentile", "mse") and histogram is not None:
+        counts, span = histogram
         if method == "percentile":
             return _percentile(counts, span, config["percentile"], low.dtype)
         return _least_error(counts, span, num_steps, symmetric, low.dtype)

@@ -15,8 +15,9 @@ a recalibration recomputes and what a preset change reuses. Per observer group (
 Groups whose sites all read stored tensors (weights, buffers, constants) are *static*: their
 statistics come from the tensors alone (:func:`static_statistics`), so a new calibration set
 does not touch them. The others are observed by running the site program over the
-calibration batches (:func:`calibrate`). Statistics are a ``{name: tensor}`` dict, named
-``<group>.<what>``: raw tensors in the cache, no pickle.
+calibration batches (:func:`calibrate`). Statistics are a ``{name: tensor}`` dict of a few
+packed tensors (every group's values concatenated, with offsets): raw tensors in the cache,
+no pickle, a handful of blobs however many quantizers; :class:`Statistics` reads them.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ from graphbuild.quant.markers import MARKER_TARGET
 __all__ = [
     "DEGENERATE_STEPS",
     "HISTOGRAM_BINS",
+    "GroupStatistics",
+    "Statistics",
     "calibrate",
-    "static_groups",
+    "calibration_batches",
     "observed_ranges",
+    "pack",
+    "static_groups",
     "static_statistics",
 ]
 
@@ -83,21 +88,92 @@ class GroupStatistics:
         if self.histogram is not None:
             self.histogram.add(x, float(low), float(high))
 
-    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+    def extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min, max): 0-d per tensor, one per channel."""
         if self.channels is not None:
-            low, high = self.channels.min_val, self.channels.max_val
-        else:
-            low, high = self.low, self.high
-        out = {f"{prefix}.min": low.detach().clone(), f"{prefix}.max": high.detach().clone()}
-        if self.calls:
-            out[f"{prefix}.calls_min"] = torch.stack([c[0] for c in self.calls])
-            out[f"{prefix}.calls_max"] = torch.stack([c[1] for c in self.calls])
-        if self.histogram is not None and self.histogram.counts is not None:
-            out[f"{prefix}.hist"] = torch.from_numpy(self.histogram.counts.copy())
-            out[f"{prefix}.hist_range"] = torch.tensor(
-                [self.histogram.low, self.histogram.high], dtype=torch.float64
-            )
-        return out
+            return self.channels.min_val.detach(), self.channels.max_val.detach()
+        return self.low, self.high
+
+
+def pack(observed: Mapping[int, GroupStatistics]) -> dict[str, torch.Tensor]:
+    """The statistics of ``observed`` groups as a few tensors: each group's min and max (one
+    value per tensor, one per channel), its calls' ranges and its histogram, concatenated
+    in group order with offsets (``index`` names the groups)."""
+    order = sorted(observed)
+    lows, highs, calls_low, calls_high, hists, hist_index, spans = [], [], [], [], [], [], []
+    offsets, call_offsets, channels = [0], [0], []
+    for group in order:
+        obs = observed[group]
+        low, high = obs.extremes()
+        channels.append(low.dim())
+        lows.append(low.reshape(-1).to(torch.float32))
+        highs.append(high.reshape(-1).to(torch.float32))
+        offsets.append(offsets[-1] + lows[-1].numel())
+        calls_low.extend(c[0] for c in obs.calls)
+        calls_high.extend(c[1] for c in obs.calls)
+        call_offsets.append(call_offsets[-1] + len(obs.calls))
+        if obs.histogram is not None and obs.histogram.counts is not None:
+            hists.append(torch.from_numpy(obs.histogram.counts.copy()))
+            hist_index.append(group)
+            spans.append([obs.histogram.low, obs.histogram.high])
+    empty = torch.zeros(0, dtype=torch.float32)
+    out = {
+        "index": torch.tensor(order, dtype=torch.int64),
+        "per_channel": torch.tensor(channels, dtype=torch.int8),
+        "min": torch.cat(lows) if lows else empty,
+        "max": torch.cat(highs) if highs else empty,
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+        "calls_min": torch.stack(calls_low).reshape(-1) if calls_low else empty,
+        "calls_max": torch.stack(calls_high).reshape(-1) if calls_high else empty,
+        "call_offsets": torch.tensor(call_offsets, dtype=torch.int64),
+    }
+    if hists:
+        out["hist"] = torch.stack(hists)
+        out["hist_index"] = torch.tensor(hist_index, dtype=torch.int64)
+        out["hist_range"] = torch.tensor(spans, dtype=torch.float64)
+    return out
+
+
+class Statistics:
+    """Reads packed statistics (from :func:`pack`), one or several sets (the weights' and
+    the activations'), by group."""
+
+    def __init__(self, *packs: Mapping[str, torch.Tensor]) -> None:
+        self._where: dict[int, tuple[Mapping[str, torch.Tensor], int]] = {}
+        self._hist: dict[int, tuple[Mapping[str, torch.Tensor], int]] = {}
+        for packed in packs:
+            for i, group in enumerate(packed["index"].tolist()):
+                self._where[group] = (packed, i)
+            for i, group in enumerate(packed.get("hist_index", torch.zeros(0)).tolist()):
+                self._hist[int(group)] = (packed, i)
+
+    def __contains__(self, group: int) -> bool:
+        return group in self._where
+
+    def range(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min, max) of ``group``: 0-d per tensor (as torchao's observer keeps them), one
+        value per channel."""
+        packed, i = self._where[group]
+        start, end = int(packed["offsets"][i]), int(packed["offsets"][i + 1])
+        low, high = packed["min"][start:end], packed["max"][start:end]
+        if int(packed["per_channel"][i]) == 0:
+            return low.reshape(()), high.reshape(())
+        return low, high
+
+    def calls(self, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each observed call's (min, max) in order, or None."""
+        packed, i = self._where[group]
+        start, end = int(packed["call_offsets"][i]), int(packed["call_offsets"][i + 1])
+        if start == end:
+            return None
+        return packed["calls_min"][start:end], packed["calls_max"][start:end]
+
+    def histogram(self, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(counts, [low, high]) of ``group``'s histogram, or None."""
+        if group not in self._hist:
+            return None
+        packed, i = self._hist[group]
+        return packed["hist"][i], packed["hist_range"][i]
 
 
 class Histogram:
@@ -178,10 +254,7 @@ def static_statistics(
         if group not in observed:
             observed[group] = GroupStatistics(groups[group]["axis"], histogram=False)
         observed[group](tensors[name])
-    out: dict[str, torch.Tensor] = {}
-    for group, obs in sorted(observed.items()):
-        out.update(obs.tensors(str(group)))
-    return out
+    return pack(observed)
 
 
 def calibrate(
@@ -218,10 +291,8 @@ def calibrate(
         for index, batch in enumerate(batches):
             _check_batch(index, batch)
             module(*batch)
-    out: dict[str, torch.Tensor] = {}
-    for group, obs in sorted(observed.items()):
-        out.update(obs.tensors(str(group)))
-    _check_no_nan(sites, out)
+    out = pack(observed)
+    _check_no_nan(sites, Statistics(out))
     return out
 
 
@@ -258,15 +329,15 @@ def _check_batch(index: int, batch: tuple) -> None:
             )
 
 
-def _check_no_nan(sites: Sequence[Mapping[str, Any]], stats: Mapping[str, torch.Tensor]) -> None:
+def _check_no_nan(sites: Sequence[Mapping[str, Any]], stats: Statistics) -> None:
     """NaN from finite batches: refused, naming the first quantized tensor (in graph order)
     where it appeared, where it comes from, and the others it reached."""
     bad: list[str] = []
+    nan_groups = {
+        g for g in {s["group"] for s in sites} if g in stats and _has_nan(*stats.range(g))
+    }
     for site in sites:
-        group = site["group"]
-        ends = [stats.get(f"{group}.{end}") for end in ("min", "max")]
-        nan = any(t is not None and bool(t.isnan().any()) for t in ends)
-        if nan and site["source"] not in bad:
+        if site["group"] in nan_groups and site["source"] not in bad:
             bad.append(site["source"])
     if bad:
         others = ", ".join(f"'{n}'" for n in bad[1:6]) + (" ..." if len(bad) > 6 else "")
@@ -278,10 +349,14 @@ def _check_no_nan(sites: Sequence[Mapping[str, Any]], stats: Mapping[str, torch.
         )
 
 
+def _has_nan(low: torch.Tensor, high: torch.Tensor) -> bool:
+    return bool(np.isnan(low.numpy()).any() or np.isnan(high.numpy()).any())
+
+
 def observed_ranges(
     sites: Sequence[Mapping[str, Any]],
     groups: Sequence[Mapping[str, Any]],
-    stats: Mapping[str, torch.Tensor],
+    stats: Statistics,
 ) -> tuple[dict[int, str], dict[str, list[float]]]:
     """What calibration says about each quantizer before any bit-width is known: the sites
     whose group saw ``inf`` (they stay float: no scale fits; site -> why), and the
@@ -314,13 +389,11 @@ def observed_ranges(
     return dropped, degenerate
 
 
-def _verdict(group: Mapping[str, Any], stats: Mapping[str, torch.Tensor]) -> tuple[str, Any]:
+def _verdict(group: Mapping[str, Any], stats: Statistics) -> tuple[str, Any]:
     """One group's statistics judged: ``nan``, ``infinite`` (with its extremes), ``degenerate``
     (with [min, max]: a per-tensor range narrower than a few of its smallest steps) or ``ok``.
     In numpy: a few numbers, where torch's per-op cost dominates."""
-    index = group["index"]
-    low = stats[f"{index}.min"].detach().cpu().numpy()
-    high = stats[f"{index}.max"].detach().cpu().numpy()
+    low, high = (t.detach().cpu().numpy() for t in stats.range(group["index"]))
     if np.isnan(low).any() or np.isnan(high).any():
         return "nan", None
     untouched = (low == np.inf) & (high == -np.inf)

@@ -169,10 +169,10 @@ def calibrate(inputs: tuple, samples: Any, context: Any) -> dict:
 def left_float(inputs: tuple, samples: Any, context: Any) -> dict:
     """Which quantizers calibration leaves float (their values were not finite) and the qid
     of every other site: the only way statistics reach the structure."""
-    from graphbuild.frontend.statistics import observed_ranges
+    from graphbuild.frontend.statistics import Statistics, observed_ranges
 
     (layout, _), weights, activations = inputs
-    stats = {**weights, **activations}
+    stats = Statistics(weights, activations)
     dropped, _ = observed_ranges(layout["sites"], layout["groups"], stats)
     qids: list[int | None] = []
     kept = 0
@@ -283,10 +283,10 @@ def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
     one grid go through their observer's arithmetic together (elementwise: the same
     numbers)."""
     from graphbuild.frontend.ranges import activation_range
-    from graphbuild.frontend.statistics import static_groups
+    from graphbuild.frontend.statistics import Statistics, static_groups
 
     (layout, _), weights, activations, kept = inputs
-    stats = {**weights, **activations}
+    stats = Statistics(weights, activations)
     preset = _preset(context["quantizer"])
     sites = layout["sites"]
     static = static_groups(sites)
@@ -302,7 +302,7 @@ def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
             spec = _spec_of(rule, axis)
             observers[grid] = (spec, _observer(spec))
         spec = observers[grid][0]
-        low, high = stats[f"{group}.min"], stats[f"{group}.max"]
+        low, high = stats.range(group)
         if group not in static and low.numel() == 1:
             steps = spec.quant_max - spec.quant_min
             symmetric = spec.qscheme == torch.per_tensor_symmetric
@@ -386,11 +386,12 @@ def encodings(inputs: tuple, samples: Any, context: Any) -> Any:
 
 def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
     """The coverage report, with the activations whose calibrated range collapsed."""
-    from graphbuild.frontend.statistics import observed_ranges
+    from graphbuild.frontend.statistics import Statistics, observed_ranges
     from graphbuild.targets.qnn.pipeline import coverage as report
 
     lowered, (qmap, fixed), qvalues, (layout, _), weights, activations = inputs
-    _, degenerate = observed_ranges(layout["sites"], layout["groups"], {**weights, **activations})
+    stats = Statistics(weights, activations)
+    _, degenerate = observed_ranges(layout["sites"], layout["groups"], stats)
     doc = dict(qmap)
     if degenerate:
         doc["degenerate"] = dict(sorted(degenerate.items()))
