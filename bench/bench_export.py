@@ -21,7 +21,7 @@ For each model (``convnet``, ``tiny_decoder`` and the ~168M-parameter ``mid_deco
    **preset** change (w8a8), a **recalibration** (4 new batches), **histograms** (range
    method ``percentile``: calibration collects histograms once) and a **range** method change
    (``percentile`` -> ``mse``); the recalibration's forward passes (the float model over the
-   new batches) are timed alone as **passes**. Their fractions are of preset_cold, the
+   new batches, best of 3) are timed alone as **passes**. Their fractions are of preset_cold, the
    recalibration's beyond its passes: ``(recalibration - passes) / preset_cold``.
 
 ``--repeat N`` repeats steps 3-4 (fresh cache each time; baseline and cold alternate which goes
@@ -330,12 +330,15 @@ def _preset_cases(bm: Any, rep: Path, name: str, this: dict, prof: _Profiler) ->
     gbp("preset_warm", quantizer="w8a16", calibration=first)
     gbp("preset", quantizer="w8a8", calibration=first)
     gbp("recalibration", quantizer="w8a8", calibration=second)
-    gc.collect()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        for batch in second:
-            bm.float(*batch)
-    this["passes"] = {"seconds": time.perf_counter() - t0}
+    passes = []
+    for _ in range(3):  # the best of 3: a pass of a small model is a blip on a shared machine
+        gc.collect()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for batch in second:
+                bm.float(*batch)
+        passes.append(time.perf_counter() - t0)
+    this["passes"] = {"seconds": min(passes)}
     import dataclasses
 
     import graphbuild as gb
