@@ -4,9 +4,9 @@ Statistics depend on the calibration data and the weights, never on bit-widths: 
 a recalibration recomputes and what a preset change reuses. Per observer group (see
 ``frontend.placement``):
 
-- ``min`` and ``max``: torchao's min/max observers run on every value the group saw (per
-  channel along the group's axis for a weight), so a range computed from them is exactly
-  the one ``prepare_pt2e`` + calibration + ``convert_pt2e`` gives;
+- ``min`` and ``max``: what torchao's min/max observers record of every value the group
+  saw (per channel along the group's axis for a weight), so a range computed from them is
+  exactly the one ``prepare_pt2e`` + calibration + ``convert_pt2e`` gives;
 - ``calls_min`` / ``calls_max``: the range of each observed call in order, for a moving
   average;
 - ``hist`` and ``hist_range`` when asked for: a histogram of the finite values over the
