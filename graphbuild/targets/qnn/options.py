@@ -79,12 +79,17 @@ class QnnOnnxOptions:
 
 
 def _placement(quantizer: Any) -> Any:
-    """What decides where quantizers sit: the same for every built-in preset (they quantize
-    the same tensors), the quantizer itself otherwise."""
+    """What decides where quantizers sit: a built-in preset's placement (presets quantizing
+    the same tensors share one), the quantizer itself otherwise."""
     preset = quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
-    if preset in PRESETS:
-        return PRESET_PLACEMENT
+    if preset in PRESET_PLACEMENTS:
+        return PRESET_PLACEMENTS[preset]
     return quantizer
+
+
+def presets_placed_as(placement: str) -> tuple[str, ...]:
+    """The built-in presets that share ``placement``, in :data:`PRESETS` order."""
+    return tuple(p for p in PRESETS if PRESET_PLACEMENTS.get(p) == placement)
 
 
 def _check_names(key: str, names: Sequence[str] | None) -> None:
@@ -104,8 +109,11 @@ def _check_names(key: str, names: Sequence[str] | None) -> None:
 #: The quantizer presets ``preset.py`` registers, named here so that reading a config needs
 #: no torchao import (tests/test_targets.py checks the two agree).
 PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16")
-#: ``ctx.quantizer_placement`` of the presets (they quantize the same tensors)
-PRESET_PLACEMENT = "qnn-presets"
+#: ``ctx.quantizer_placement`` of each preset: presets quantizing the same tensors share one
+#: placement, and switching between them recomputes values only. A preset whose rules came
+#: to quantize other tensors would get a placement of its own here (``place_quantizers``
+#: refuses a shared one that does not hold, naming the tensors).
+PRESET_PLACEMENTS: dict[str, str] = dict.fromkeys(PRESETS, "qnn-presets")
 
 #: What a config file's ``[options]`` table may set for the qnn target.
 CONFIG_SCHEMA: dict[str, OptionType] = {

@@ -243,8 +243,8 @@ def _check_same_placement(reference: Plan, plans: dict[str, Plan]) -> None:
             differ = sorted(set(got.items()) ^ set(want.items()))[:5]
             raise ExportError(
                 f"preset '{name}' quantizes other tensors than the placement it shares "
-                f"({', '.join(t for t, _ in differ)}): such a preset needs a placement of "
-                "its own"
+                f"({', '.join(t for t, _ in differ)}): give it a placement of its own in "
+                "graphbuild.targets.qnn.options.PRESET_PLACEMENTS"
             )
 
 

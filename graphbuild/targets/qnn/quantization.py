@@ -79,7 +79,14 @@ def _preset(quantizer: Any) -> str:
 # --------------------------------------------------------------------------- structure
 
 
-def _describe(quantizer: Any, prepared: Any) -> dict[str, Any]:
+def _describer(presets: tuple[str, ...]) -> Any:
+    def describe(quantizer: Any, prepared: Any) -> dict[str, Any]:
+        return _describe(quantizer, prepared, presets)
+
+    return describe
+
+
+def _describe(quantizer: Any, prepared: Any, presets: tuple[str, ...]) -> dict[str, Any]:
     from graphbuild.targets.qnn.preset import observer_rules
 
     return {
@@ -92,24 +99,27 @@ def _describe(quantizer: Any, prepared: Any) -> dict[str, Any]:
             }
             for preset, rule in rules.items()
         }
-        for module, rules in observer_rules(quantizer, prepared).items()
+        for module, rules in observer_rules(quantizer, prepared, presets).items()
     }
 
 
 def place_quantizers(inputs: tuple, samples: Any, context: Any) -> tuple:
-    """Structure: the presets' quantizers placed on the captured program (one trace)."""
+    """Structure: the quantizers of the presets that share ``ctx.quantizer_placement``
+    placed on the captured program (one trace), with each preset's rules per observer."""
     from graphbuild.frontend.placement import place_quantizers as place
-    from graphbuild.targets.qnn.preset import PRESETS, QnnQuantizer
+    from graphbuild.targets.qnn.options import presets_placed_as
+    from graphbuild.targets.qnn.preset import QnnQuantizer
 
     (captured,) = inputs
+    presets = presets_placed_as(context["quantizer_placement"])
     placement = place(
         captured.program,
-        QnnQuantizer(PRESETS[0]),
+        QnnQuantizer(presets[0]),
         to_device(as_args(samples), "cpu"),
-        _describe,
+        _describer(presets),
     )
     program = roundtrip(ProgramArtifact(strip_state(placement.program)))
-    return program, placement.layout(), placement.created
+    return program, {**placement.layout(), "presets": list(presets)}, placement.created
 
 
 def placement(inputs: tuple, samples: Any, context: Any) -> tuple:
@@ -223,15 +233,13 @@ def quant_map(inputs: tuple, samples: Any, context: Any) -> tuple:
 
 
 def quant_sites(inputs: tuple, samples: Any, context: Any) -> tuple:
-    """The quant map of the first preset, whatever preset is set: what lowering for
+    """The quant map of the placement's first preset, whatever preset is set: what lowering for
     ``onnx`` reads (which tensor each qid marks, never a grid), the same for every preset,
     so a preset change does not lower the skeleton again. (The split's outputs are compared
     byte for byte with the one-stage pipeline's for every preset: a lowering that read a
     grid would show there.)"""
-    from graphbuild.targets.qnn.options import PRESETS
-
     (layout, _), kept = inputs
-    return _quant_map(layout, kept, PRESETS[0])
+    return _quant_map(layout, kept, layout["presets"][0])
 
 
 def _quant_map(layout: Mapping[str, Any], kept: Mapping[str, Any], preset: str) -> tuple:
