@@ -116,17 +116,19 @@ def pack(observed: Mapping[int, GroupStatistics]) -> dict[str, torch.Tensor]:
             hists.append(torch.from_numpy(obs.histogram.counts.copy()))
             hist_index.append(group)
             spans.append([obs.histogram.low, obs.histogram.high])
-    empty = torch.zeros(0, dtype=torch.float32)
+    if not order:
+        return {}  # no tensor of no bytes: nothing observed, nothing stored
     out = {
         "index": torch.tensor(order, dtype=torch.int64),
         "per_channel": torch.tensor(channels, dtype=torch.int8),
-        "min": torch.cat(lows) if lows else empty,
-        "max": torch.cat(highs) if highs else empty,
+        "min": torch.cat(lows),
+        "max": torch.cat(highs),
         "offsets": torch.tensor(offsets, dtype=torch.int64),
-        "calls_min": torch.stack(calls_low).reshape(-1) if calls_low else empty,
-        "calls_max": torch.stack(calls_high).reshape(-1) if calls_high else empty,
         "call_offsets": torch.tensor(call_offsets, dtype=torch.int64),
     }
+    if calls_low:
+        out["calls_min"] = torch.stack(calls_low).reshape(-1)
+        out["calls_max"] = torch.stack(calls_high).reshape(-1)
     if hists:
         out["hist"] = torch.stack(hists)
         out["hist_index"] = torch.tensor(hist_index, dtype=torch.int64)
@@ -142,6 +144,8 @@ class Statistics:
         self._where: dict[int, tuple[Mapping[str, torch.Tensor], int]] = {}
         self._hist: dict[int, tuple[Mapping[str, torch.Tensor], int]] = {}
         for packed in packs:
+            if not packed:
+                continue
             for i, group in enumerate(packed["index"].tolist()):
                 self._where[group] = (packed, i)
             for i, group in enumerate(packed.get("hist_index", torch.zeros(0)).tolist()):
