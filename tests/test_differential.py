@@ -9,11 +9,15 @@ bit-widths, preset, calibration batches, range method, opset, format, encodings 
 output names, the ops' code, a registered recogniser, and a custom stage after
 ``marker_graph`` that edits a copy (fine) or its input in place (``InputMutationError``,
 cached and uncached alike, when there is a relu to rewrite). After each step the cached
-export (one cache for the whole sequence) must give the same ONNX, encodings and lock file
-as an export without a cache, and a second cached export must be all hits; a preset export
-with min/max ranges must also write what the one-stage PT2E pipeline writes (the split of
-quantization into structure, statistics and values changes no byte). The sequence is drawn
-by hypothesis, derandomized: every run draws the same one; ``-m slow`` runs longer ones.
+export (one cache for the whole sequence) must give the same ONNX, encodings and lock file as
+an export without a cache, and a preset export with min/max ranges what the one-stage PT2E
+pipeline writes (splitting quantization into structure, statistics and values changes no
+byte); an export that forces
+one drawn stage (it reruns on upstream outputs loaded from the cache, where the uncached
+export computed them) must give them too; and a second cached export must be all hits. The
+model swaps the halves of a feature map as rotary embeddings do: views that start inside
+their storage, which a program loaded from the cache must digest as the computed one. The sequence is drawn by hypothesis, derandomized: every run draws
+the same one; ``-m slow`` runs longer ones.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class DiffNet(nn.Module):
     def forward(self, x):
         x = self.act(x, "x")
         x = F.conv2d(x, self.weight("conv"), self.conv.bias, padding=1)
+        x = torch.cat([x[..., 4:], x[..., :4]], -1)
         x = self.act(act(x), "a")
         return self.act(F.linear(torch.flatten(x, 1), self.weight("fc"), self.fc.bias), "out")
 '''
@@ -138,6 +143,14 @@ CHANGES: dict[str, list] = {
 }
 
 
+#: Stages a step may force (the custom stage too, when there is one).
+FORCED = [
+    "capture", "quantize", "normalize", "quant_map", "qparams", "marker_graph", "to_onnx",
+    "lower_markers", "weight_qparams", "weight_digests", "bind", "encodings", "coverage",
+    "clamp", "place_quantizers", "placement", "fold_weights", "weight_stats", "calibrate",
+    "left_float", "quant_sites",
+]  # fmt: skip
+
 #: The changes a user tuning a preset export makes (the preset stays set): quantization is
 #: split into structure, statistics and values, and each of these reaches another part.
 #: Min/max ranges throughout, so every step is also compared with the one-stage pipeline.
@@ -152,9 +165,10 @@ PRESET_CHANGES: dict[str, list] = {
 
 def draw_changes(
     rng: random.Random, state: State, rounds: int, changes: dict[str, list] = CHANGES
-) -> list[tuple[str, object]]:
+) -> list[tuple[str, object, str]]:
     """``rounds`` shuffles of every kind of change, each to a value other than the one it
-    had: every kind is exercised, in a drawn order, against a drawn history."""
+    had, and a stage to force after it: every kind is exercised, in a drawn order, against a
+    drawn history."""
     steps = []
     for _ in range(rounds):
         kinds = sorted(changes)
@@ -162,7 +176,7 @@ def draw_changes(
         for kind in kinds:
             value = rng.choice([v for v in changes[kind] if v != getattr(state, kind)])
             state = dataclasses.replace(state, **{kind: value})
-            steps.append((kind, value))
+            steps.append((kind, value, rng.choice(FORCED)))
     return steps
 
 
@@ -266,7 +280,9 @@ class World:
             model.fc_w_scale.mul_(s.weight_scale)
         return model.eval()
 
-    def export(self, out: Path, cache, one_stage: bool = False) -> dict[str, bytes] | str:
+    def export(
+        self, out: Path, cache, force: tuple[str, ...] = (), one_stage: bool = False
+    ) -> dict[str, bytes] | str:
         """The exported files' bytes, or the name of the error a failed export raised;
         ``one_stage``: with the PT2E quantize the split replaced (no lock file: its stages
         differ)."""
@@ -292,6 +308,7 @@ class World:
                 options=options,
                 cache=cache,
                 pipeline_factory=factory,
+                force=force,
             )
         except StageError as err:
             return f"{err.stage}: {type(err.cause).__name__}"
@@ -332,7 +349,7 @@ def world_factory(tmp_path_factory):
 
 
 def check_sequence(world: World, steps) -> None:
-    for i, (kind, value) in enumerate(steps):
+    for i, (kind, value, forced) in enumerate(steps):
         world.apply(kind, value)
         note(f"step {i}: {kind} = {value!r} -> {world.state}")
         cached = world.export(world.root / "out", world.cache)
@@ -340,13 +357,16 @@ def check_sequence(world: World, steps) -> None:
         assert cached == uncached, f"step {i} ({kind} = {value!r}): cached != uncached"
         if world.state.preset and world.state.range_method == "minmax":
             golden = world.export(world.root / f"one{i}", False, one_stage=True)
-            if isinstance(golden, dict):
+            if isinstance(golden, dict) and isinstance(cached, dict):
                 golden = {**golden, "lock": cached["lock"]}
             assert cached == golden, f"step {i} ({kind} = {value!r}): split != one stage"
         if world.state.stage == "in_place" and world.state.helper == "relu":
             assert cached == f"clamp: {InputMutationError.__name__}"  # it rewrote the relu
             continue
         assert isinstance(cached, dict) and set(cached) == {"onnx", "encodings", "lock"}
+        if forced in world.last_report.statuses:
+            recomputed = world.export(world.root / "out", world.cache, force=(forced,))
+            assert recomputed == uncached, f"step {i}: forcing {forced} over loaded upstreams"
         world.export(world.root / "out", world.cache)
         assert set(world.last_report.statuses.values()) == {"hit"}, world.last_report.statuses
 

@@ -102,3 +102,23 @@ def test_check_mode_fails_loudly_on_a_reused_digest_a_data_write_made_wrong(tmp_
     m.fc.weight.data.mul_(0.5)  # not seen by the version counter: the reuse would be wrong
     with pytest.raises(FingerprintMismatchError, match="version counter"):
         export(m, tmp_path, check_fingerprints=True)
+
+
+def test_state_digests_sees_a_write_through_data_at_once():
+    m = model()
+    before = fingerprint.state_digests(m)
+    m.fc.weight.data.mul_(2)  # a write torch's version counter does not see
+
+    after = fingerprint.state_digests(m)
+
+    assert after.digest != before.digest
+    assert after.tensors["fc.weight"] != before.tensors["fc.weight"]
+
+
+def test_after_an_export_state_digests_sees_a_write_through_data(tmp_path):
+    m = model()
+    export(m, tmp_path)
+    before = fingerprint.state_digests(m)
+    m.fc.weight.data.mul_(2)
+
+    assert fingerprint.state_digests(m).digest != before.digest

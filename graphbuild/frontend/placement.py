@@ -116,13 +116,16 @@ def place_quantizers(
     observer (the QNN presets: each preset's bit-width and symmetry)."""
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
-    module = program.module()
+    from graphbuild.frontend.capture import dynamic_shapes_of
+
+    module = _before_prepare(quantizer, program.module())
     folded = _fold_batch_norms(module)
     prepared = prepare_pt2e(module, quantizer)
     settings = dict(describe(quantizer, prepared)) if describe is not None else {}
     groups, observed = _replace_observers(prepared, settings)
     prepared = _without_dead_code(prepared)
-    sites_program = torch.export.export(prepared, sample_args)
+    shapes = dynamic_shapes_of(program)  # dims the capture kept dynamic stay dynamic
+    sites_program = torch.export.export(prepared, sample_args, dynamic_shapes=shapes)
     sites = _sites(sites_program, observed)
     known = set(program.state_dict)
     created = {
@@ -132,6 +135,13 @@ def place_quantizers(
     }
     created.update({k: v.detach().clone() for k, v in sites_program.constants.items()})
     return Placement(sites_program, sites, groups, folded, created)
+
+
+def _before_prepare(quantizer: Any, module: GraphModule) -> GraphModule:
+    """The quantizer's ``transform_before_prepare``, where it has one: what it rewrites ahead
+    of torchao's BatchNorm folding (``quantize`` applies it the same way)."""
+    before = getattr(quantizer, "transform_before_prepare", None)
+    return before(module) if callable(before) else module
 
 
 def _fold_batch_norms(module: GraphModule) -> list[str]:
@@ -153,14 +163,19 @@ def _state_objects(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fold_weights(
-    program: ExportedProgram, state: Mapping[str, torch.Tensor], folded: list[str]
+    program: ExportedProgram,
+    state: Mapping[str, torch.Tensor],
+    folded: list[str],
+    quantizer: Any = None,
 ) -> dict[str, torch.Tensor]:
     """The values of the ``folded`` tensors for the weights in ``state``: the BatchNorm fold
-    of :func:`place_quantizers`, on the real weights (nothing to do without a fold)."""
+    of :func:`place_quantizers` (after ``quantizer``'s rewrites before it), on the real
+    weights (nothing to do without a fold)."""
     if not folded:
         return {}
     module = program.module()
     load_state(module, program, state)
+    module = _before_prepare(quantizer, module)
     _fold_batch_norms(module)
     out = {}
     for name in folded:

@@ -96,6 +96,7 @@ def _describe(quantizer: Any, prepared: Any, presets: tuple[str, ...]) -> dict[s
                 "symmetric": rule.symmetric,
                 "per_channel": rule.per_channel,
                 "fixed": list(rule.fixed) if rule.fixed is not None else None,
+                "min_scale": rule.min_scale,
             }
             for preset, rule in rules.items()
         }
@@ -139,11 +140,13 @@ def fold_source(inputs: tuple, samples: Any, context: Any) -> Any:
 def fold_weights(inputs: tuple, samples: Any, context: Any) -> dict:
     """Values: the state tensors the BatchNorm fold rewrites, from the real weights."""
     from graphbuild.frontend.placement import fold_weights as fold
+    from graphbuild.targets.qnn.preset import QnnQuantizer
 
     program, (layout, _) = inputs
     if program is None:
         return {}
-    return fold(program.program, host_state(context.input), layout["folded"])
+    quantizer = QnnQuantizer(layout["presets"][0])  # its rewrites come before the fold
+    return fold(program.program, host_state(context.input), layout["folded"], quantizer)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -217,11 +220,15 @@ def _spec_of(rule: Mapping[str, Any], axis: int | None) -> Any:
     from graphbuild.targets.qnn.observers import quantization_spec
 
     fixed = tuple(rule["fixed"]) if rule["fixed"] is not None else None
+    axis = axis if rule["per_channel"] else None
+    if axis is None and rule["per_channel"]:  # as the preset's annotator does
+        return quantization_spec(rule["bits"], symmetric=rule["symmetric"])
     return quantization_spec(
         rule["bits"],
         symmetric=rule["symmetric"],
-        axis=axis if rule["per_channel"] else None,
+        axis=axis,
         fixed=fixed,
+        min_scale=rule["min_scale"],
     )
 
 
