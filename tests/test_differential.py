@@ -312,7 +312,8 @@ class World:
             )
         except StageError as err:
             return f"{err.stage}: {type(err.cause).__name__}"
-        self.last_report = art.report
+        if not one_stage:  # the split pipeline's report, whose stages a step may force
+            self.last_report = art.report
         kept = [k for k in art.files if not (one_stage and k == "lock")]
         return {k: Path(art.files[k]).read_bytes() for k in kept}
 
