@@ -15,7 +15,14 @@ For each model (``convnet``, ``tiny_decoder`` and the ~168M-parameter ``mid_deco
 4. times graphbuild ``export`` of the fake-quantized model into a fresh cache: **cold**,
    **warm** (no change), **scales** (activation scale buffers x 1.01), **weights** (a few
    weights nudged, scale buffers kept), **encodings** (``encodings_version="2.0.0"``) and
-   **opset** (21 -> 20), each change applied on top of the previous state.
+   **opset** (21 -> 20), each change applied on top of the previous state;
+5. times graphbuild ``export`` of the FLOAT model quantized by the ``w8a16`` preset (4
+   calibration batches) into another fresh cache: **preset_cold**, **preset_warm**, a
+   **preset** change (w8a8), a **recalibration** (4 new batches), **histograms** (range
+   method ``percentile``: calibration collects histograms once) and a **range** method change
+   (``percentile`` -> ``mse``); the recalibration's forward passes (the float model over the
+   new batches, best of 3) are timed alone as **passes**. Their fractions are of preset_cold, the
+   recalibration's beyond its passes: ``(recalibration - passes) / preset_cold``.
 
 ``--repeat N`` repeats steps 3-4 (fresh cache each time; baseline and cold alternate which goes
 first) and keeps the best time of each case. A last child measures memory: peak RSS
@@ -55,10 +62,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-ALL_MODELS = ("convnet", "tiny_decoder", "mid_decoder", "large_decoder")
+ALL_MODELS = ("convnet", "tiny_decoder", "llama", "mid_decoder", "large_decoder")
 #: Run when --models is not given: large_decoder (787M parameters) needs about 32 GiB.
-DEFAULT_MODELS = ("convnet", "tiny_decoder", "mid_decoder")
+DEFAULT_MODELS = ("convnet", "tiny_decoder", "llama", "mid_decoder")
 CASES = ("cold", "warm", "scales", "weights", "encodings", "opset")
+#: the float model quantized by graphbuild's own preset: cold (w8a16), warm, a preset change
+#: (w8a8), a recalibration (new batches), histograms (range method percentile: a
+#: recalibration that also collects histograms) and a range method change (percentile ->
+#: mse: values only)
+PRESET_CASES = ("preset_cold", "preset_warm", "preset", "recalibration", "histograms", "range")
 GIB = 1 << 30
 BASELINE_OPSET = 21  # graphbuild's default opset: the baseline exports at the same one
 
@@ -71,6 +83,9 @@ TARGETS = {
         "weights": 0.15,
         "encodings": 0.03,
         "cold_vs_baseline": 1.15,
+        "preset": 0.05,
+        "recalibration": 0.05,
+        "range": 0.05,
     },
     "mid": {
         "warm": 0.03,
@@ -78,6 +93,9 @@ TARGETS = {
         "weights": 0.08,
         "encodings": 0.03,
         "cold_vs_baseline": 1.15,
+        "preset": 0.05,
+        "recalibration": 0.05,
+        "range": 0.05,
     },
     "large": {
         "warm": 0.02,
@@ -85,6 +103,9 @@ TARGETS = {
         "weights": 0.08,
         "encodings": 0.03,
         "cold_vs_baseline": 1.15,
+        "preset": 0.05,
+        "recalibration": 0.05,
+        "range": 0.05,
     },
 }
 MEMORY_TARGET = 3.0
@@ -98,6 +119,17 @@ RERUN_TABLE = {
     "weights": (("capture", "to_onnx"), ("bind",)),
     "encodings": (("capture", "normalize", "to_onnx", "lower_markers", "bind"), ("encodings",)),
     "opset": (("capture", "normalize"), ("to_onnx",)),
+    # DESIGN.md invariant 13: a preset change and a range method recompute values only; a
+    # recalibration reruns the forward passes and nothing structural
+    "preset": (
+        ("capture", "place_quantizers", "calibrate", "weight_stats", "to_onnx"),
+        ("quant_map", "qparams"),
+    ),
+    "recalibration": (
+        ("capture", "place_quantizers", "weight_stats", "to_onnx"),
+        ("calibrate", "qparams"),
+    ),
+    "range": (("capture", "place_quantizers", "calibrate", "to_onnx"), ("qparams",)),
 }
 
 
@@ -272,9 +304,48 @@ def _repetition(
         gbx("weights")
         gbx("encodings", encodings_version="2.0.0")
         gbx("opset", opset=20)
+        if bm.calibration is not None:
+            _preset_cases(bm, rep, name, this, prof)
         return this
     finally:
         shutil.rmtree(rep, ignore_errors=True)
+
+
+def _preset_cases(bm: Any, rep: Path, name: str, this: dict, prof: _Profiler) -> None:
+    """The float model quantized by the ``w8a16`` preset into a cache of its own, then
+    retuned (see ``PRESET_CASES``); ``passes`` times the recalibration's forward passes
+    alone: the float model over the new batches, as the fraction's allowance."""
+    import torch
+
+    cache, out = rep / "preset_cache", rep / "preset_out"
+    first, second = bm.calibration(0), bm.calibration(1)
+
+    def gbp(case: str, **options: Any) -> None:
+        gc.collect()
+        this[case] = prof.run(
+            case, lambda: graphbuild_export(bm.float, bm.sample, out, cache, name, **options)
+        )
+
+    gbp("preset_cold", quantizer="w8a16", calibration=first)
+    gbp("preset_warm", quantizer="w8a16", calibration=first)
+    gbp("preset", quantizer="w8a8", calibration=first)
+    gbp("recalibration", quantizer="w8a8", calibration=second)
+    passes = []
+    for _ in range(3):  # the best of 3: a pass of a small model is a blip on a shared machine
+        gc.collect()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for batch in second:
+                bm.float(*batch)
+        passes.append(time.perf_counter() - t0)
+    this["passes"] = {"seconds": min(passes)}
+    import dataclasses
+
+    import graphbuild as gb
+
+    if "range_method" in {f.name for f in dataclasses.fields(gb.QnnOnnxOptions)}:
+        gbp("histograms", quantizer="w8a8", calibration=second, range_method="percentile")
+        gbp("range", quantizer="w8a8", calibration=second, range_method="mse")
 
 
 def run_model(name: str, repeat: int, profile_dir: str | None) -> dict[str, Any]:
@@ -303,6 +374,8 @@ def run_model(name: str, repeat: int, profile_dir: str | None) -> dict[str, Any]
             this = _repetition(bm, tmp / f"rep{r}", name, baseline_first=r % 2 == 0, prof=prof)
             for case, res in this.items():
                 keep(case, res)
+            if "passes" in this and this.get("recalibration") is best.get("recalibration"):
+                best["passes"] = this["passes"]  # the passes of the kept recalibration
             runs.append({k: round(v["seconds"], 4) for k, v in this.items()})
         return {
             "model": name,
@@ -429,9 +502,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     targets = _targets_for(result["model"])
     rows = []
     checks = []
-    for case in ("baseline", *CASES):
+    preset = [c for c in PRESET_CASES if c in best]
+    for case in ("baseline", *CASES, *preset):
         res = best[case]
         ratio = res["seconds"] / cold
+        if case in PRESET_CASES:
+            ratio = res["seconds"] / best["preset_cold"]["seconds"]
+        if case == "recalibration":  # beyond its forward passes, measured alone
+            ratio = (res["seconds"] - best["passes"]["seconds"]) / best["preset_cold"]["seconds"]
         row = {"case": case, "seconds": res["seconds"], "ratio_to_cold": ratio}
         if case == "baseline":
             row["ran"] = ["torch.export", "torch.onnx.export", "onnx.save"]
@@ -440,11 +518,16 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             row["rerun_table_ok"] = _rerun_ok(case, res["statuses"])
         if case == "cold":
             row["ratio_to_baseline"] = cold / base
+        if case == "preset_cold":
+            row["ratio_to_baseline"] = res["seconds"] / base
+        if case == "recalibration":
+            row["passes_seconds"] = best["passes"]["seconds"]
         rows.append(row)
         if case in targets:
+            what = "(recalibration - passes)" if case == "recalibration" else case
             checks.append(
                 {
-                    "check": f"{case} / cold",
+                    "check": f"{what} / cold",
                     "value": ratio,
                     "limit": targets[case],
                     "pass": ratio <= targets[case],
@@ -490,7 +573,12 @@ def print_model(result: dict[str, Any], summary: dict[str, Any]) -> None:
         "graphbuild seconds: stages that ran (function + encoding the output) | cache loads "
         "of hits | rest (keys, fingerprints, cache writes, placing files)"
     )
-    for case in CASES:
+    if "passes" in result["best"]:
+        print(
+            f"preset cases are fractions of preset_cold; recalibration's is (recalibration - "
+            f"passes) / preset_cold, passes = {result['best']['passes']['seconds']:.3f} s"
+        )
+    for case in (*CASES, *(c for c in PRESET_CASES if c in result["best"])):
         res = result["best"][case]
         stages = ", ".join(f"{k} {v:.3f}" for k, v in res["stage_seconds"].items() if v >= 0.0005)
         loads = ", ".join(f"{k} {v:.3f}" for k, v in res["loaded_seconds"].items())

@@ -266,6 +266,11 @@ LARGE_DECODER = dict(
 )  # ~787M parameters, 3.1 GB of fp32: needs about 32 GiB of memory for the whole bench
 
 
+LLAMA = dict(
+    vocab=32000, hidden=256, layers=4, heads=8, kv_heads=2, ffn=688, seq=32
+)  # transformers' LlamaForCausalLM, grouped-query attention (issue 20's retune model)
+
+
 @dataclass
 class BenchModel:
     name: str
@@ -273,20 +278,72 @@ class BenchModel:
     fq: nn.Module
     sample: tuple
     info: dict[str, Any] = field(default_factory=dict)
+    #: calibration batches for a preset export (``calibration(seed)``: another set per seed)
+    calibration: Callable[[int], list] | None = None
+
+
+CALIBRATION_BATCHES = 4  # per preset calibration set
 
 
 def _decoder(name: str, cfg: dict, seed: int = 0) -> BenchModel:
     model, sample = tiny_decoder.build(seed, **cfg)
     calib = tiny_decoder.calibration(1, seed + 1, vocab=cfg["vocab"], seq=cfg["seq"])
-    return _finish(name, model, sample, calib, cfg)
+
+    def calibration(k: int) -> list:
+        return tiny_decoder.calibration(
+            CALIBRATION_BATCHES, 100 + k, vocab=cfg["vocab"], seq=cfg["seq"]
+        )
+
+    return _finish(name, model, sample, calib, cfg, calibration)
+
+
+def _llama(seed: int = 0) -> BenchModel:
+    """transformers' LlamaForCausalLM (random weights, nothing downloaded), logits only."""
+    from examples import tiny_llama
+
+    cfg = LLAMA
+    overrides = dict(
+        vocab_size=cfg["vocab"],
+        hidden_size=cfg["hidden"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["kv_heads"],
+        intermediate_size=cfg["ffn"],
+        max_position_embeddings=2 * cfg["seq"],
+        attn_implementation="sdpa",
+    )
+    model, _ = tiny_llama.build(seed, **overrides)
+    g = torch.Generator().manual_seed(seed + 1)
+    sample = (torch.randint(0, cfg["vocab"], (1, cfg["seq"]), generator=g),)
+
+    def calibration(k: int) -> list:
+        gen = torch.Generator().manual_seed(100 + k)
+        shape = (1, cfg["seq"])
+        return [
+            (torch.randint(0, cfg["vocab"], shape, generator=gen),)
+            for _ in range(CALIBRATION_BATCHES)
+        ]
+
+    return _finish("llama", model, sample, [sample], cfg, calibration)
 
 
 def _convnet(seed: int = 0) -> BenchModel:
     model, sample = convnet.build(seed)
-    return _finish("convnet", model, sample, convnet.calibration(1, seed + 1), {})
+
+    def calibration(k: int) -> list:
+        return convnet.calibration(CALIBRATION_BATCHES, 100 + k)
+
+    return _finish("convnet", model, sample, convnet.calibration(1, seed + 1), {}, calibration)
 
 
-def _finish(name: str, model: nn.Module, sample: tuple, calib: list, cfg: dict) -> BenchModel:
+def _finish(
+    name: str,
+    model: nn.Module,
+    sample: tuple,
+    calib: list,
+    cfg: dict,
+    calibration: Callable[[int], list] | None = None,
+) -> BenchModel:
     fq = fake_quantize(model, calib)
     info = {
         "params": param_count(model),
@@ -294,12 +351,13 @@ def _finish(name: str, model: nn.Module, sample: tuple, calib: list, cfg: dict) 
         "fake_quant_layers": sum(isinstance(m, _FakeQuantLayer) for m in fq.modules()),
         "config": cfg,
     }
-    return BenchModel(name, model, fq, sample, info)
+    return BenchModel(name, model, fq, sample, info, calibration)
 
 
 MODELS: dict[str, Callable[[], BenchModel]] = {
     "convnet": _convnet,
     "tiny_decoder": lambda: _decoder("tiny_decoder", TINY_DECODER),
+    "llama": _llama,
     "mid_decoder": lambda: _decoder("mid_decoder", MID_DECODER),
     "large_decoder": lambda: _decoder("large_decoder", LARGE_DECODER),
 }

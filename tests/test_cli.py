@@ -31,20 +31,35 @@ ROOT = Path(__file__).resolve().parents[1]
 CONVNET = ROOT / "examples" / "convnet.py"
 STAGES = [
     "capture",
-    "quantize",
-    "normalize",
-    "quant_map",
-    "qparams",
+    "place_quantizers",
+    "placement",
+    "fold_source",
+    "fold_weights",
+    "weight_stats",
+    "calibrate",
+    "left_float",
     "marker_graph",
+    "quant_map",
+    "quant_sites",
+    "qparams",
     "to_onnx",
     "lower_markers",
     "weight_qparams",
+    "weight_digests",
     "bind",
     "encodings",
     "coverage",
 ]
-# quantize and everything downstream of it in the qnn/onnx pipeline
-QUANTIZE_DEPENDENTS = set(STAGES) - {"capture"}
+# what a preset change may rerun: the stages that read the preset and their dependents
+# (DESIGN.md invariant 13: values, never the placement, the statistics or the ONNX export)
+PRESET_DEPENDENTS = {
+    "quant_map",
+    "qparams",
+    "weight_qparams",
+    "bind",
+    "encodings",
+    "coverage",
+}
 _ENV_RESET = ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "GRAPHBUILD_DEBUG")
 
 
@@ -266,8 +281,8 @@ def preset_change(shared, warm) -> SimpleNamespace:
         after = invoke_json("export")
         back = ["--set", "quantization.preset=w8a16"]
         explain = invoke_json("explain", *back)
-        explain_text = invoke("explain", "quantize", *back).stdout
-        one = invoke_json("explain", "quantize", *back)
+        explain_text = invoke("explain", "qparams", *back).stdout
+        one = invoke_json("explain", "qparams", *back)
         unknown = invoke_json("explain", "nosuch", code=2)
     return SimpleNamespace(
         before=before,
@@ -280,41 +295,49 @@ def preset_change(shared, warm) -> SimpleNamespace:
     )
 
 
-def test_preset_change_status_names_quantize_dirty_because_of_ctx_quantizer(preset_change):
+def test_preset_change_status_names_the_value_stages_dirty_because_of_ctx_quantizer(
+    preset_change,
+):
     assert statuses(preset_change.before) == dict.fromkeys(STAGES, "hit")
     status = preset_change.status
-    assert status["dirty"] == ["quantize"] and status["up_to_date"] is False
-    quantize = next(s for s in status["stages"] if s["name"] == "quantize")
-    assert "ctx.quantizer" in quantize["reason"]
-    assert {"read": "ctx.quantizer", "old": "w8a16", "new": "w8a8"} in quantize["changes"]
-    assert statuses(status)["capture"] == "hit"
-    assert {statuses(status)[s] for s in QUANTIZE_DEPENDENTS - {"quantize"}} == {"maybe"}
+    assert status["dirty"] == ["quant_map", "qparams"] and status["up_to_date"] is False
+    for name in status["dirty"]:
+        stage = next(s for s in status["stages"] if s["name"] == name)
+        assert "ctx.quantizer" in stage["reason"]
+        assert {"read": "ctx.quantizer", "old": "w8a16", "new": "w8a8"} in stage["changes"]
+    assert {statuses(status)[s] for s in set(STAGES) - PRESET_DEPENDENTS} == {"hit"}
+    assert {statuses(status)[s] for s in PRESET_DEPENDENTS - set(status["dirty"])} == {"maybe"}
 
 
-def test_preset_change_export_reruns_quantize_and_dependents_never_capture(preset_change):
+def test_preset_change_export_reruns_values_never_the_placement_or_calibration(preset_change):
     ran = {name for name, s in statuses(preset_change.after).items() if s == "ran"}
-    assert "quantize" in ran and ran <= QUANTIZE_DEPENDENTS
-    assert statuses(preset_change.after)["capture"] == "hit"
-    reason = preset_change.after["stages"][1]["reason"]
-    assert reason == "ctx.quantizer: w8a16 -> w8a8"
+    assert {"quant_map", "qparams"} <= ran <= PRESET_DEPENDENTS
+    for stage in ("capture", "place_quantizers", "calibrate", "weight_stats", "marker_graph"):
+        assert statuses(preset_change.after)[stage] == "hit"
+    qparams = next(s for s in preset_change.after["stages"] if s["name"] == "qparams")
+    assert qparams["reason"] == "ctx.quantizer: w8a16 -> w8a8"
 
 
 def test_preset_change_export_does_not_rerun_the_onnx_exporter(preset_change):
-    assert statuses(preset_change.after)["to_onnx"] in ("hit", "cutoff")
+    assert statuses(preset_change.after)["to_onnx"] == "hit"
 
 
 def test_explain_shows_each_changed_read_with_old_and_new_values(preset_change):
     stages = {s["name"]: s for s in preset_change.explain["stages"]}
     assert list(stages) == STAGES
     assert preset_change.explain["run_id"] == "qnn:convnet"
-    quantize = stages["quantize"]
-    assert quantize["status"] == "hit"  # w8a16 is still cached, but the last run was w8a8
-    assert quantize["changes"] == [{"read": "ctx.quantizer", "old": "w8a8", "new": "w8a16"}]
-    assert quantize["last_run"]["status"] == "ran" and quantize["last_run"]["when"] > 0
+    qparams = stages["qparams"]
+    assert qparams["status"] == "hit"  # w8a16 is still cached, but the last run was w8a8
+    assert qparams["changes"] == [{"read": "ctx.quantizer", "old": "w8a8", "new": "w8a16"}]
+    assert qparams["last_run"]["status"] == "ran" and qparams["last_run"]["when"] > 0
     assert stages["capture"]["changes"] == []
     assert stages["capture"]["reason"] == "unchanged since the last run"
-    assert [c["read"] for c in stages["normalize"]["changes"]] == ["output of 'quantize'"]
-    assert [s["name"] for s in preset_change.one["stages"]] == ["quantize"]
+    for unchanged in ("place_quantizers", "calibrate"):  # structure and statistics
+        assert stages[unchanged]["reason"] == "unchanged since the last run"
+    # which tensor each quantizer marks is the same for every preset: no new lowering
+    assert stages["lower_markers"]["reason"] == "unchanged since the last run"
+    assert [c["read"] for c in stages["encodings"]["changes"]][:1] == ["ctx.quantizer"]
+    assert [s["name"] for s in preset_change.one["stages"]] == ["qparams"]
     assert "ctx.quantizer: w8a8 -> w8a16" in preset_change.explain_text
     assert "no stage named 'nosuch'" in preset_change.unknown["error"]["message"]
 
@@ -361,9 +384,9 @@ def test_graph_text_dot_mermaid_and_json(cli):
         assert stage in text
     assert "reads input.structure, samples.spec" in text
     dot = invoke("graph", "--format", "dot").stdout
-    assert dot.startswith('digraph "qnn/onnx"') and '"capture" -> "quantize";' in dot
+    assert dot.startswith('digraph "qnn/onnx"') and '"capture" -> "place_quantizers";' in dot
     mermaid = invoke("graph", "-f", "mermaid").stdout
-    assert mermaid.startswith("flowchart LR") and "capture --> quantize" in mermaid
+    assert mermaid.startswith("flowchart LR") and "capture --> place_quantizers" in mermaid
     doc = invoke_json("graph", "--export-format", "onnx_qdq")
     assert doc["pipeline"] == "qnn/onnx_qdq" and doc["format"] == "onnx_qdq"
     by_name = {s["name"]: s for s in doc["stages"]}
@@ -376,7 +399,8 @@ def test_graph_text_dot_mermaid_and_json(cli):
 def test_graph_needs_no_config_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     doc = invoke_json("graph")
-    assert "quantize" not in [s["name"] for s in doc["stages"]]  # no quantizer configured
+    names = [s["name"] for s in doc["stages"]]
+    assert "quantize" not in names and "place_quantizers" not in names  # no quantizer
 
 
 def test_targets_lists_every_target_with_its_formats_and_options():

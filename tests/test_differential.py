@@ -5,11 +5,14 @@ A model whose code sits in files written here (its activation comes from an ops 
 through a module-level alias in a helper module; one kind of change rewrites the ops),
 pre-quantized with fake-quant ops whose scales are buffers, or float and quantized by a
 preset. Each step draws one change from: weights, activation scales, weight scales,
-bit-widths, preset, opset, format, encodings version, output names, the ops' code, a
-registered recogniser, and a custom stage after ``marker_graph`` that edits a copy (fine) or
-its input in place (``InputMutationError``, cached and uncached alike, when there is a relu
-to rewrite). After each step the cached export (one cache for the whole sequence) must give
-the same ONNX, encodings and lock file as an export without a cache; an export that forces
+bit-widths, preset, calibration batches, range method, opset, format, encodings version,
+output names, the ops' code, a registered recogniser, and a custom stage after
+``marker_graph`` that edits a copy (fine) or its input in place (``InputMutationError``,
+cached and uncached alike, when there is a relu to rewrite). After each step the cached
+export (one cache for the whole sequence) must give the same ONNX, encodings and lock file as
+an export without a cache, and a preset export with min/max ranges what the one-stage PT2E
+pipeline writes (splitting quantization into structure, statistics and values changes no
+byte); an export that forces
 one drawn stage (it reruns on upstream outputs loaded from the cache, where the uncached
 export computed them) must give them too; and a second cached export must be all hits. The
 model swaps the halves of a feature map as rotary embeddings do: views that start inside
@@ -94,7 +97,11 @@ HELPER_SOURCE = "import gb_diff_ops as _ops\n\nact = _ops.act\n"
 HELPERS = {"relu": "x.relu()", "tanh": "x.tanh()", "sigmoid": "torch.sigmoid(x)"}
 
 SAMPLES = (torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(0)),)
-CALIBRATION = [(torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(1)),)]
+
+
+def calibration(seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, 3, 8, 8, generator=g),) for _ in range(2)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +112,8 @@ class State:
     act_bits: int = 8
     weight_bits: int = 8
     preset: str | None = None
+    calibration: int = 1
+    range_method: str = "minmax"
     opset: int = 21
     format: str = "onnx"
     encodings_version: str = "1.0.0"
@@ -122,6 +131,8 @@ CHANGES: dict[str, list] = {
     "act_bits": [8, 16],
     "weight_bits": [8, 4],
     "preset": [None, "w8a8", "w8a16", "w4a16"],
+    "calibration": [1, 2, 3],
+    "range_method": ["minmax", "moving_average", "percentile", "mse"],
     "opset": [21, 22],
     "format": ["onnx", "onnx_qdq"],
     "encodings_version": ["1.0.0", "0.6.1", "2.0.0"],
@@ -136,20 +147,34 @@ CHANGES: dict[str, list] = {
 FORCED = [
     "capture", "quantize", "normalize", "quant_map", "qparams", "marker_graph", "to_onnx",
     "lower_markers", "weight_qparams", "weight_digests", "bind", "encodings", "coverage",
-    "clamp",
+    "clamp", "place_quantizers", "placement", "fold_weights", "weight_stats", "calibrate",
+    "left_float", "quant_sites",
 ]  # fmt: skip
 
+#: The changes a user tuning a preset export makes (the preset stays set): quantization is
+#: split into structure, statistics and values, and each of these reaches another part.
+#: Min/max ranges throughout, so every step is also compared with the one-stage pipeline.
+PRESET_CHANGES: dict[str, list] = {
+    "preset": ["w8a8", "w8a16", "w4a16"],
+    "calibration": [1, 2, 3],
+    "weight_seed": [0, 1, 2, 3],
+    "format": ["onnx", "onnx_qdq"],
+    "helper": sorted(HELPERS),
+}
 
-def draw_changes(rng: random.Random, state: State, rounds: int) -> list[tuple[str, object, str]]:
+
+def draw_changes(
+    rng: random.Random, state: State, rounds: int, changes: dict[str, list] = CHANGES
+) -> list[tuple[str, object, str]]:
     """``rounds`` shuffles of every kind of change, each to a value other than the one it
     had, and a stage to force after it: every kind is exercised, in a drawn order, against a
     drawn history."""
     steps = []
     for _ in range(rounds):
-        kinds = sorted(CHANGES)
+        kinds = sorted(changes)
         rng.shuffle(kinds)
         for kind in kinds:
-            value = rng.choice([v for v in CHANGES[kind] if v != getattr(state, kind)])
+            value = rng.choice([v for v in changes[kind] if v != getattr(state, kind)])
             state = dataclasses.replace(state, **{kind: value})
             steps.append((kind, value, rng.choice(FORCED)))
     return steps
@@ -192,17 +217,22 @@ def clamp_in_place(inputs, samples, context):
     return inputs[0]
 
 
-def factory_for(stage: str):
+def factory_for(stage: str, split: bool | None = None):
     if stage == "none":
         return None
     fn = clamp_a_copy if stage == "copy" else clamp_in_place
 
     def factory(request):
-        p = build_qnn_pipeline(request)
+        p = build_qnn_pipeline(request, split=split)
         p.insert_stage_after("marker_graph", fn, "clamp", reads=())
         return p
 
     return factory
+
+
+def one_stage_pipeline(request):
+    """The pipeline before quantization was split: PT2E quantize as one stage."""
+    return build_qnn_pipeline(request, split=False)
 
 
 class World:
@@ -250,16 +280,24 @@ class World:
             model.fc_w_scale.mul_(s.weight_scale)
         return model.eval()
 
-    def export(self, out: Path, cache, force: tuple[str, ...] = ()) -> dict[str, bytes] | str:
-        """The exported files' bytes, or the name of the error a failed export raised."""
+    def export(
+        self, out: Path, cache, force: tuple[str, ...] = (), one_stage: bool = False
+    ) -> dict[str, bytes] | str:
+        """The exported files' bytes, or the name of the error a failed export raised;
+        ``one_stage``: with the PT2E quantize the split replaced (no lock file: its stages
+        differ)."""
         s = self.state
         options = gb.QnnOnnxOptions(
             opset=s.opset,
             encodings_version=s.encodings_version,
             output_names=s.output_names,
             quantizer=s.preset,
-            calibration=CALIBRATION if s.preset else None,
+            calibration=calibration(s.calibration) if s.preset else None,
+            range_method=s.range_method,
         )
+        factory = factory_for(s.stage)
+        if one_stage:
+            factory = factory_for(s.stage, split=False) or one_stage_pipeline
         try:
             art = gb.export(
                 self.model(),
@@ -269,13 +307,15 @@ class World:
                 format=s.format,
                 options=options,
                 cache=cache,
-                pipeline_factory=factory_for(s.stage),
+                pipeline_factory=factory,
                 force=force,
             )
         except StageError as err:
             return f"{err.stage}: {type(err.cause).__name__}"
-        self.last_report = art.report
-        return {k: Path(v).read_bytes() for k, v in art.files.items()}
+        if not one_stage:  # the split pipeline's report, whose stages a step may force
+            self.last_report = art.report
+        kept = [k for k in art.files if not (one_stage and k == "lock")]
+        return {k: Path(art.files[k]).read_bytes() for k in kept}
 
     def close(self) -> None:
         if self.recognizer is not None:
@@ -316,6 +356,11 @@ def check_sequence(world: World, steps) -> None:
         cached = world.export(world.root / "out", world.cache)
         uncached = world.export(world.root / f"plain{i}", False)
         assert cached == uncached, f"step {i} ({kind} = {value!r}): cached != uncached"
+        if world.state.preset and world.state.range_method == "minmax":
+            golden = world.export(world.root / f"one{i}", False, one_stage=True)
+            if isinstance(golden, dict) and isinstance(cached, dict):
+                golden = {**golden, "lock": cached["lock"]}
+            assert cached == golden, f"step {i} ({kind} = {value!r}): split != one stage"
         if world.state.stage == "in_place" and world.state.helper == "relu":
             assert cached == f"clamp: {InputMutationError.__name__}"  # it rewrote the relu
             continue
@@ -351,3 +396,13 @@ def test_cached_exports_equal_uncached_exports_after_long_sequences(world_factor
     note(f"seed {seed}")
     with world_factory() as world:
         check_sequence(world, draw_changes(random.Random(seed), world.state, rounds=3))
+
+
+@settings(max_examples=1, **_SETTINGS)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_retuning_a_preset_export_equals_uncached_and_one_stage_exports(world_factory, seed):
+    note(f"seed {seed}")
+    with world_factory() as world:
+        world.state = State(preset="w8a16")
+        steps = draw_changes(random.Random(seed), world.state, rounds=2, changes=PRESET_CHANGES)
+        check_sequence(world, steps)

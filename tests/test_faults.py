@@ -28,7 +28,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -339,20 +338,20 @@ def test_a_deleted_index_row_is_a_miss_and_only_its_stage_reruns(warm, damaged):
     assert after["corrupt"] == before["corrupt"]  # a missing row is indistinguishable from eviction
 
 
-def test_a_new_process_rebuilding_normalize_after_a_cached_quantize_exports_correctly(
+def test_a_new_process_rebuilding_the_marker_graph_after_a_cached_placement_exports_correctly(
     warm, damaged
 ):
-    # What a kill after quantize was stored, a pruned or corrupt normalize entry, or an edit
-    # to normalize's code leaves behind: quantize hits, so a new process never ran it, and
-    # normalize must load its quantized program from the cache.
-    key, _ = manifest_rows(damaged.db)["normalize"]
+    # What a kill after place_quantizers was stored, a pruned or corrupt marker_graph entry,
+    # or an edit to its code leaves behind: place_quantizers hits, so a new process never ran
+    # it, and marker_graph must load the placed program from the cache.
+    key, _ = manifest_rows(damaged.db)["marker_graph"]
     update_row(damaged.db, "DELETE FROM Cache WHERE key = ?", key)
 
     doc = exported(
         run_export(warm.config, damaged.out, damaged.cache, "--cache-dir", damaged.cache)
     )
 
-    assert statuses(doc)["quantize"] == "hit" and statuses(doc)["normalize"] == "ran"
+    assert statuses(doc)["place_quantizers"] == "hit" and statuses(doc)["marker_graph"] == "ran"
     assert contents(damaged.out) == warm.files
 
 
@@ -686,7 +685,7 @@ def test_a_comment_edit_reruns_capture_only_and_cuts_off_the_rest(model_edits, e
     doc = model_edits.runs[edit]
     assert ran(doc) == ["capture"], [(s["name"], s["status"], s["reason"]) for s in doc["stages"]]
     assert doc["stages"][0]["reason"].startswith("input.structure:")
-    assert statuses(doc)["quantize"] == "cutoff"
+    assert statuses(doc)["place_quantizers"] == "cutoff"
     assert set(statuses(doc).values()) <= {"ran", "cutoff", "hit"}
 
 

@@ -170,10 +170,46 @@ def test_preset_weights_change_recalibrates_but_does_not_retrace(tmp_path):
     with torch.no_grad():
         model.conv1.weight.mul_(1.1)
     report = build(model, tmp_path / "out", cache, **opts)
-    assert report.statuses["capture"] == "hit"
-    assert report.statuses["quantize"] == "ran"
-    assert hit(report, "to_onnx", "lower_markers")
+    assert hit(report, "capture", "place_quantizers", "marker_graph", "to_onnx", "lower_markers")
+    assert report.statuses["weight_stats"] == report.statuses["calibrate"] == "ran"
     assert report.statuses["bind"] == "ran"
+
+
+@pytest.fixture()
+def preset_warm(tmp_path):
+    """The ConvNet quantized by the w8a16 preset, exported once."""
+    model, _ = convnet.build()
+    cache = gb.Cache(tmp_path / "cache")
+    opts = {"quantizer": "w8a16", "calibration": convnet.calibration(4, seed=1)}
+    build(model, tmp_path / "out", cache, **opts)
+    return model, tmp_path / "out", cache, opts
+
+
+PLACEMENT = ("capture", "place_quantizers", "marker_graph", "to_onnx")
+
+
+def test_preset_change_reruns_the_values_not_the_placement_nor_calibration(preset_warm):
+    model, out, cache, opts = preset_warm
+    report = build(model, out, cache, **{**opts, "quantizer": "w8a8"})
+    assert hit(report, *PLACEMENT, "weight_stats", "calibrate", "left_float")
+    assert report.statuses["quant_map"] == report.statuses["qparams"] == "ran"
+
+
+def test_recalibration_reruns_the_forward_passes_nothing_structural(preset_warm):
+    model, out, cache, opts = preset_warm
+    report = build(model, out, cache, **{**opts, "calibration": convnet.calibration(4, seed=2)})
+    assert hit(report, *PLACEMENT, "weight_stats", "quant_map")
+    assert report.statuses["calibrate"] == report.statuses["qparams"] == "ran"
+
+
+def test_range_method_reruns_the_values_histograms_once(preset_warm):
+    model, out, cache, opts = preset_warm
+    report = build(model, out, cache, **opts, range_method="percentile")
+    assert hit(report, *PLACEMENT, "weight_stats")
+    assert report.statuses["calibrate"] == "ran"  # histograms, collected once
+    report = build(model, out, cache, **opts, range_method="mse")
+    assert hit(report, *PLACEMENT, "weight_stats", "calibrate")
+    assert report.statuses["qparams"] == "ran"
 
 
 def test_batchnorm_trap_rebinds_correctly_after_weight_change(tmp_path):

@@ -77,6 +77,7 @@ __all__ = [
     "qvalues_from",
     "recognizers",
     "register_recognizer",
+    "relabel_markers",
     "unregister_recognizer",
     "value_ref",
 ]
@@ -415,3 +416,33 @@ def normalize_program(program: ExportedProgram) -> tuple[ExportedProgram, QuantM
     removed = _drop_unused_state(graph, program, origin)
     graph.lint()
     return _rebuild(program, graph, removed, renames, val_map), qmap
+
+
+def relabel_markers(program: ExportedProgram, qids: Mapping[int, int | None]) -> ExportedProgram:
+    """A copy of a program whose markers carry placement site numbers, with each marker
+    ``q(x, site)`` replaced by a fresh ``q(x, qids[site])`` (named as :func:`normalize_program`
+    names its markers), or removed where ``qids[site]`` is None (a quantizer calibration
+    left float). ``program`` is left untouched; tensors are shared."""
+    graph, val_map = _copy_graph(program.graph)
+    renames: dict[str, str] = {}
+    for node in list(graph.nodes):
+        if not is_marker(node):
+            continue
+        x, site = node.args
+        if not isinstance(site, int) or site not in qids:
+            raise ExportError(f"marker '{node.name}' has site {site!r}, which the placement lacks")
+        qid = qids[site]
+        if qid is None:
+            node.replace_all_uses_with(x)
+            renames[node.name] = x.name
+        else:
+            with graph.inserting_before(node):
+                marker = graph.call_function(MARKER_TARGET, (x, qid))
+            marker.meta.update({k: node.meta[k] for k in _MARKER_META if k in node.meta})
+            node.replace_all_uses_with(marker)
+            renames[node.name] = marker.name
+        graph.erase_node(node)
+    renames = {old.name: renames.get(new.name, new.name) for old, new in val_map.items()}
+    renames = {old: new for old, new in renames.items() if old != new}
+    graph.lint()
+    return _rebuild(program, graph, set(), renames, val_map)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,9 +27,11 @@ from graphbuild.engine.codecs import (
     Part,
     TensorDictCodec,
     register_codec,
+    tensor_token,
     tensor_tokens,
 )
 from graphbuild.errors import CodecError
+from graphbuild.hashing import digest_bytes, digest_json
 from graphbuild.quant import markers  # noqa: F401  - registers graphbuild::q for deserialization
 
 __all__ = [
@@ -190,6 +193,14 @@ def _meta_form(value: Any, depth: int = 0) -> Any:
     return repr(value)
 
 
+#: Structure-only programs decoded in this process, by content: a tuning loop loads the same
+#: placed program for every recalibration, and torch's deserializer takes seconds on a
+#: decoder. One is handed out again only while it holds what it was decoded with (its
+#: snapshot token), so a stage that edited one in place (an error) cannot leak the edit.
+_DECODED: OrderedDict[str, tuple[ProgramArtifact, Any]] = OrderedDict()
+_KEEP_DECODED = 4
+
+
 class ProgramCodec(Codec):
     name = "exported_program"
     types = (ProgramArtifact,)
@@ -224,6 +235,28 @@ class ProgramCodec(Codec):
 
     def decode(self, meta: Any, parts: Sequence[bytes], children: Sequence[Any]) -> Any:
         constants = children[0] if isinstance(children[0], dict) and children[0] else {}
+        if meta["has_state"]:  # a program carrying weights: never kept
+            return self._decode(meta, parts[0], constants, children)
+        key = digest_json(
+            [
+                meta,
+                digest_bytes(parts[0]),
+                [[n, *map(str, tensor_token(t))] for n, t in sorted(constants.items())],
+            ]
+        )
+        kept = _DECODED.get(key)
+        if kept is not None and program_token(kept[0].program) == kept[1]:
+            _DECODED.move_to_end(key)
+            return kept[0]
+        artifact = self._decode(meta, parts[0], constants, children)
+        _DECODED[key] = (artifact, program_token(artifact.program))
+        while len(_DECODED) > _KEEP_DECODED:
+            _DECODED.popitem(last=False)
+        return artifact
+
+    def _decode(
+        self, meta: Any, graph: bytes, constants: dict[str, torch.Tensor], children: Sequence[Any]
+    ) -> ProgramArtifact:
         if meta["has_state"]:
             real = children[1]
             state = {
@@ -237,7 +270,7 @@ class ProgramCodec(Codec):
                 name: placeholder(shape, getattr(torch, dt), p)
                 for name, p, dt, shape in meta["state"]
             }
-        program = deserialize_program(parts[0], state, constants)
+        program = deserialize_program(graph, state, constants)
         return ProgramArtifact(program, meta["has_state"], meta.get("notes", {}))
 
     def snapshot(self, value: ProgramArtifact) -> Any:

@@ -290,12 +290,14 @@ def _degenerate_ranges(prepared: GraphModule) -> dict[str, tuple[float, float]]:
 
 def _check_observed_ranges(prepared: GraphModule, *, drop: bool = False) -> dict[str, str]:
     """Fail on an observer that saw inf or nan: its scale would be meaningless. With ``drop``
-    a per-tensor observer's tensor stays float instead (every place the observer was shared
-    with); returns those tensors (node name -> why). A per-channel weight's is an error.
+    a per-tensor observer that saw ``inf`` leaves its tensor float instead (every place the
+    observer was shared with); returns those tensors (node name -> why). NaN anywhere, and a
+    per-channel weight's ``inf``, are errors naming the tensors.
 
     The usual cause is an additive ``-inf`` attention mask flowing into a quantized op.
     """
     bad: dict[int, list[torch.fx.Node]] = {}
+    nan: list[str] = []
     for node in prepared.graph.nodes:
         if node.op != "call_module":
             continue
@@ -308,6 +310,9 @@ def _check_observed_ranges(prepared: GraphModule, *, drop: bool = False) -> dict
             continue
         source = node.args[0]
         name = source.name if isinstance(source, torch.fx.Node) else node.name
+        if bool((low.isnan() | high.isnan()).any()):
+            nan.append(name)
+            continue
         per_channel = getattr(observer, "qscheme", None) in (
             torch.per_channel_affine,
             torch.per_channel_symmetric,
@@ -319,6 +324,12 @@ def _check_observed_ranges(prepared: GraphModule, *, drop: bool = False) -> dict
                 "no valid scale. Use a finite attention mask or keep that op in float."
             )
         bad.setdefault(id(observer), []).append(node)
+    if nan:
+        shown = ", ".join(f"'{n}'" for n in nan[:8]) + (" ..." if len(nan) > 8 else "")
+        raise ExportError(
+            f"quantize: calibration saw NaN at {shown}: no range fits. Check the calibration "
+            "batches and the model (a 0/0, a log of a negative number) before quantizing."
+        )
     dropped: dict[str, str] = {}
     for nodes in bad.values():
         for node in nodes:

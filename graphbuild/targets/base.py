@@ -57,6 +57,7 @@ class OptionType:
 STR = OptionType("a string", lambda v: isinstance(v, str))
 INT = OptionType("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
 BOOL = OptionType("true or false", lambda v: isinstance(v, bool))
+FLOAT = OptionType("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
 STRS = OptionType(
     "a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)
 )
@@ -86,12 +87,24 @@ def lazy_builder(module: str, function: str) -> PipelineBuilder:
     """A pipeline builder that imports ``module`` when first called, so that declaring a
     target costs no import of its stages (torch, torchao, a back end)."""
 
-    def build(request: Request, fmt: str | None = None) -> Pipeline:
-        return getattr(importlib.import_module(module), function)(request, fmt)
+    def build(request: Request, fmt: str | None = None, **options: Any) -> Pipeline:
+        return getattr(importlib.import_module(module), function)(request, fmt, **options)
 
     build.__name__ = build.__qualname__ = function
     build.__doc__ = f"``{module}.{function}``, imported on first use."
     return build
+
+
+def check_calibration(calibration: Any) -> None:
+    """An empty calibration set is a mistake (an exhausted generator, a filter that kept
+    nothing), refused rather than quietly calibrating on the sample inputs instead."""
+    if calibration is None or isinstance(calibration, (str, bytes)):
+        return
+    if hasattr(calibration, "__len__") and len(calibration) == 0:
+        raise ConfigError(
+            "calibration is empty: give at least one batch, or leave it unset (None) to "
+            "calibrate on the sample inputs"
+        )
 
 
 def coerce_options(options_type: type, options: Any, target: str) -> Any:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from graphbuild.errors import ConfigError
-from graphbuild.targets.base import BOOL, SPECS, STR, OptionType
+from graphbuild.targets.base import BOOL, SPECS, STR, OptionType, check_calibration
 
 #: ``xnnpack``: XNNPACK-delegated program (CPU, Arm and x86); ``portable``: ExecuTorch's
 #: portable kernels only (no delegate); ``vgf``: Arm's VGF flow (needs the Arm tools).
@@ -157,6 +157,7 @@ class ExecuTorchOptions:
             raise ConfigError(f"{sorted(overlap)} named as both a method and a constant method")
         if self.dynamic_dims is not None:
             canonical_dims(self.dynamic_dims)  # raises on a malformed spec
+        check_calibration(self.calibration)
 
     @property
     def quantized(self) -> bool:
@@ -170,6 +171,7 @@ class ExecuTorchOptions:
     def to_context(self) -> dict[str, Any]:
         ctx = {f.name: getattr(self, f.name) for f in fields(self)}
         ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
+        check_calibration(ctx["calibration"])
         ctx["methods"] = dict(sorted(self.methods.items())) if self.methods else None
         constants = self.constant_methods
         ctx["constant_methods"] = dict(sorted(constants.items())) if constants else None

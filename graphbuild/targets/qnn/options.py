@@ -7,7 +7,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from graphbuild.errors import ConfigError
-from graphbuild.targets.base import BOOL, INT, STR, STRS, OptionType
+from graphbuild.quant.range_methods import DEFAULT_RANGE_METHOD, needs_histograms, range_config
+from graphbuild.targets.base import BOOL, FLOAT, INT, STR, STRS, OptionType, check_calibration
 from graphbuild.targets.qnn.htp_targets import HtpTarget, parse_targets
 
 FORMATS = ("onnx", "onnx_qdq", "context")
@@ -44,6 +45,12 @@ class QnnOnnxOptions:
     (AIMET's quantization sim has no quantizer there), at the cost of that product's accuracy
     on the HTP. ``None`` (the default) requantizes unless one of ``htp_arch`` refuses a 16x16
     MatMul with an int16 second input (v68, v69): one QDQ model serves every listed arch.
+
+    ``range_method`` sets how a preset's activation ranges come from calibration:
+    ``minmax`` (the observed extremes), ``moving_average`` (of each calibration call's
+    extremes, constant ``range_averaging``), ``percentile`` (``range_percentile`` and its
+    mirror, from a histogram) or ``mse`` (least expected quantization error, AIMET's
+    TF-enhanced). Weights always take their min/max.
     """
 
     opset: int = 21
@@ -62,6 +69,9 @@ class QnnOnnxOptions:
     htp_arch: str | Sequence[str] | None = None
     soc_model: str | Sequence[str] | None = None
     matmul_int16_requantize: bool | None = None
+    range_method: str = DEFAULT_RANGE_METHOD
+    range_percentile: float = 99.99
+    range_averaging: float = 0.01
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -73,6 +83,8 @@ class QnnOnnxOptions:
             raise ConfigError(f"opset must be an integer from 13 to 23, not {self.opset!r}")
         for key in ("input_names", "output_names"):
             _check_names(key, getattr(self, key))
+        range_config(self.range_method, self.range_percentile, self.range_averaging)
+        check_calibration(self.calibration)
         self.htp_targets()  # a ConfigError now, not when a stage runs
 
     def htp_targets(self) -> tuple[HtpTarget, ...]:
@@ -90,11 +102,31 @@ class QnnOnnxOptions:
         # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
         ctx = {f.name: getattr(self, f.name) for f in fields(self)}
         ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
+        check_calibration(ctx["calibration"])
         ctx["matmul_int16_requantize"] = self.requantizes_matmul_inputs()
         for key in ("input_names", "output_names", "htp_arch", "soc_model"):
             if ctx[key] is not None and not isinstance(ctx[key], (str, int)):
                 ctx[key] = list(ctx[key])
+        # derived keys: what a stage reads, no more (a preset change keeps the placement;
+        # a percentile change keeps the statistics)
+        ctx["range"] = range_config(self.range_method, self.range_percentile, self.range_averaging)
+        ctx["statistics"] = "histogram" if needs_histograms(ctx["range"]) else "minmax"
+        ctx["quantizer_placement"] = _placement(self.quantizer)
         return ctx
+
+
+def _placement(quantizer: Any) -> Any:
+    """What decides where quantizers sit: a built-in preset's placement (presets quantizing
+    the same tensors share one), the quantizer itself otherwise."""
+    preset = quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
+    if preset in PRESET_PLACEMENTS:
+        return PRESET_PLACEMENTS[preset]
+    return quantizer
+
+
+def presets_placed_as(placement: str) -> tuple[str, ...]:
+    """The built-in presets that share ``placement``, in :data:`PRESETS` order."""
+    return tuple(p for p in PRESETS if PRESET_PLACEMENTS.get(p) == placement)
 
 
 def _check_names(key: str, names: Sequence[str] | None) -> None:
@@ -114,6 +146,13 @@ def _check_names(key: str, names: Sequence[str] | None) -> None:
 #: The quantizer presets ``preset.py`` registers, named here so that reading a config needs
 #: no torchao import (tests/test_targets.py checks the two agree).
 PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16", "w4a16_lpbq")
+#: ``ctx.quantizer_placement`` of each preset: presets quantizing the same tensors share one
+#: placement, and switching between them recomputes values only. A preset whose rules came
+#: to quantize other tensors would get a placement of its own here (``place_quantizers``
+#: refuses a shared one that does not hold, naming the tensors). ``w4a16_lpbq`` is not split:
+#: its blocked weight quantizers are PT2E observers of another kind, so it quantizes in one
+#: ``quantize`` stage (a change to or from it re-runs quantization).
+PRESET_PLACEMENTS: dict[str, str] = dict.fromkeys(("w8a8", "w8a16", "w4a16"), "qnn-presets")
 
 #: What a config file's ``[options]`` table may set for the qnn target.
 CONFIG_SCHEMA: dict[str, OptionType] = {
@@ -142,4 +181,7 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
             and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v)
         ),
     ),
+    "range_method": STR,
+    "range_percentile": FLOAT,
+    "range_averaging": FLOAT,
 }

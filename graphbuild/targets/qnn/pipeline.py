@@ -18,6 +18,7 @@ values; values enter at qparams, bind and encodings (DESIGN.md, invariant 5).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -30,7 +31,7 @@ from graphbuild.frontend.programs import ProgramArtifact, strip_state
 from graphbuild.frontend.reference import reference_from_model
 from graphbuild.quant.quantmap import QuantMap, QuantValues
 from graphbuild.targets.base import Request, coerce_options
-from graphbuild.targets.qnn.options import FORMATS, QnnOnnxOptions
+from graphbuild.targets.qnn.options import FORMATS, PRESET_PLACEMENTS, QnnOnnxOptions
 
 # --------------------------------------------------------------------------- stages
 
@@ -240,10 +241,16 @@ def bind_program_weights(inputs: tuple, samples: Any, context: Any) -> Any:
 
 
 def encodings(inputs: tuple, samples: Any, context: Any) -> FileArtifact:
+    quantizer = context["quantizer"]
+    return write_encodings(inputs, context, "min_max" if isinstance(quantizer, str) else None)
+
+
+def write_encodings(inputs: tuple, context: Any, quant_scheme: str | None) -> FileArtifact:
+    """The encodings file from (quant map, qparams, (lowered model, names)); ``quant_scheme``
+    goes into ``quantizer_args`` (None: unknown, as for a model's own quantizers)."""
     from graphbuild.targets.qnn.encodings import build_encodings, dumps_encodings
 
     (qmap, _), qvalues, (lowered, names) = inputs
-    quantizer = context["quantizer"]
     doc = build_encodings(
         QuantMap.from_json(qmap),
         QuantValues.from_tensors(qvalues),
@@ -251,7 +258,7 @@ def encodings(inputs: tuple, samples: Any, context: Any) -> FileArtifact:
         context["encodings_version"],
         model=lowered,
         int32_bias=context["int32_bias"],
-        quant_scheme="min_max" if isinstance(quantizer, str) else None,  # presets: MinMax
+        quant_scheme=quant_scheme,
     )
     return FileArtifact(f"{context['model_name']}.encodings", dumps_encodings(doc).encode())
 
@@ -332,9 +339,16 @@ def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
 # --------------------------------------------------------------------------- wiring
 
 
-def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
+def build_qnn_pipeline(
+    request: Request, fmt: str | None = None, *, split: bool | None = None
+) -> Pipeline:
     """The reference plan of DESIGN.md for ``qnn/onnx`` and ``qnn/onnx_qdq``. ``fmt`` picks
-    the ONNX flavour when a custom format builds on this pipeline (default: the request's)."""
+    the ONNX flavour when a custom format builds on this pipeline (default: the request's).
+
+    A built-in preset quantizes in three parts, structure, statistics and values
+    (``targets.qnn.quantization``); any other quantizer runs PT2E as one ``quantize`` stage.
+    ``split=False`` builds the one stage for a preset too: the reference the split is
+    checked against, byte for byte."""
     fmt = fmt or request.format
     if fmt not in FORMATS:
         raise ConfigError(
@@ -344,69 +358,67 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     opts = coerce_options(QnnOnnxOptions, request.options, request.target)
     p = Pipeline(name=f"{request.target}/{request.format}")
     cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
-    source = cap
-    if opts.quantizer is not None:
-        source = p.register_stage(
-            quantize,
-            "quantize",
-            reads=(
-                "input.state",
-                "ctx.quantizer",
-                "registry.quantizer_presets",
-                "ctx.calibration",
-                "samples.spec",
-                "samples.values",
-            ),
-        ).depends_on(cap)
     quantized = opts.quantizer is not None
-    norm = p.register_stage(
-        normalize_quantized if quantized else normalize,
-        "normalize",
-        reads=("registry.recognizers",),
-    ).depends_on(source)
-    qmap = p.register_stage(quant_map, "quant_map", reads=("ctx.lpbq",)).depends_on(norm)
-    if quantized:
-        qp = p.register_stage(qparams_from_program, "qparams", reads=()).depends_on(source, qmap)
+    split = quantized and (_splits(opts.quantizer) if split is None else split)
+    if split:
+        from graphbuild.targets.qnn import quantization
+
+        parts = quantization.wire_split_quantization(p, cap)
+        graph, qmap, qp = parts["marker_graph"], parts["quant_map"], parts["qparams"]
     else:
-        qp = p.register_stage(qparams_from_model, "qparams", reads=("input.state",))
-        qp.depends_on(qmap)
-    graph = p.register_stage(marker_graph, "marker_graph", reads=()).depends_on(norm)
+        source, graph, qmap, qp = _wire_normalize(p, cap, opts.quantizer is not None)
     onnx = p.register_stage(
         to_onnx, "to_onnx", reads=("ctx.opset", "ctx.input_names", "ctx.output_names")
     ).depends_on(graph)
+    # a preset's ``onnx`` lowering reads which tensor each qid marks, not the grids
+    marks = parts["quant_sites"] if split and fmt == "onnx" else qmap
     lower = p.register_stage(
         lower_onnx if fmt == "onnx" else lower_qdq,
         "lower_markers",
         reads=() if fmt == "onnx" else ("ctx.matmul_int16_requantize",),
-    ).depends_on(onnx, qmap)
+    ).depends_on(onnx, marks)
     bind_values = qp
     if fmt == "onnx":  # only weight scales reach the float graph (snapped weights)
         bind_values = p.register_stage(weight_qparams, "weight_qparams", reads=())
         bind_values.depends_on(qp, qmap)
-    if quantized:
+    if quantized and not split:
         bound = p.register_stage(
             bind_program_weights, "bind", reads=("ctx.fake_quantize_weights",)
         ).depends_on(lower, qmap, bind_values, source)
     else:
         weights = p.register_stage(weight_digests, "weight_digests", reads=("input.state",))
         weights.depends_on(lower)
-        bound = p.register_stage(
-            bind_model_weights, "bind", reads=(UNKEYED_INPUT, "ctx.fake_quantize_weights")
-        ).depends_on(lower, qmap, bind_values, weights)
-    enc = p.register_stage(
-        encodings,
-        "encodings",
-        reads=("ctx.encodings_version", "ctx.model_name", "ctx.int32_bias", "ctx.quantizer"),
-    ).depends_on(qmap, qp, lower)
-    cov = p.register_stage(
-        coverage, "coverage", reads=("ctx.quantizer", "ctx.strict_coverage")
-    ).depends_on(lower, qmap, qp)
+        reads = (UNKEYED_INPUT, "ctx.fake_quantize_weights")
+        if split:
+            bound = p.register_stage(quantization.bind_weights, "bind", reads=reads)
+            bound.depends_on(
+                lower, qmap, bind_values, weights, parts["placement"], parts["fold_weights"]
+            )
+        else:
+            bound = p.register_stage(bind_model_weights, "bind", reads=reads)
+            bound.depends_on(lower, qmap, bind_values, weights)
+    enc_reads = ("ctx.encodings_version", "ctx.model_name", "ctx.int32_bias", "ctx.quantizer")
+    if split:
+        enc = p.register_stage(quantization.encodings, "encodings", reads=(*enc_reads, "ctx.range"))
+        cov = p.register_stage(
+            quantization.coverage, "coverage", reads=("ctx.quantizer", "ctx.strict_coverage")
+        ).depends_on(lower, qmap, qp, parts["placement"], parts["weight_stats"], parts["calibrate"])
+    else:
+        enc = p.register_stage(encodings, "encodings", reads=enc_reads)
+        cov = p.register_stage(
+            coverage, "coverage", reads=("ctx.quantizer", "ctx.strict_coverage")
+        ).depends_on(lower, qmap, qp)
+    enc.depends_on(qmap, qp, lower)
     p.reports["coverage"] = cov.name
     p.products = [bound.name, enc.name]
     p.output_files = frozenset({f"{request.model_name}.encodings"})
     ref = None
     if opts.check_numerics:
-        if opts.quantizer is not None:
+        if split:
+            ref = p.register_stage(
+                quantization.reference, "reference", reads=("input.state", "samples")
+            ).depends_on(graph, qmap, qp, parts["placement"], parts["fold_weights"])
+        elif quantized:
             ref = p.register_stage(reference_with_tensors, "reference", reads=("samples",))
             ref.depends_on(source)
         else:
@@ -433,6 +445,54 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
             model_name=request.model_name,
         )
     return p
+
+
+def _splits(quantizer: Any) -> bool:
+    """Whether ``quantizer`` is one of graphbuild's own presets (by name, unless a user
+    registered another under it, or as a ``QnnQuantizer``): those quantize in three parts."""
+    from graphbuild.frontend.presets import preset_entries
+
+    if isinstance(quantizer, str):
+        return quantizer in PRESET_PLACEMENTS and quantizer not in preset_entries()
+    preset = sys.modules.get("graphbuild.targets.qnn.preset")
+    return (
+        preset is not None
+        and type(quantizer) is preset.QnnQuantizer
+        and quantizer.preset in PRESET_PLACEMENTS
+    )
+
+
+def _wire_normalize(p: Pipeline, cap: Any, quantized: bool) -> tuple:
+    """The one-stage path: ``quantize`` (PT2E whole, when a quantizer is configured), then
+    ``normalize`` finds the quantizers in the graph; returns (source, marker_graph,
+    quant_map, qparams)."""
+    source = cap
+    if quantized:
+        source = p.register_stage(
+            quantize,
+            "quantize",
+            reads=(
+                "input.state",
+                "ctx.quantizer",
+                "registry.quantizer_presets",
+                "ctx.calibration",
+                "samples.spec",
+                "samples.values",
+            ),
+        ).depends_on(cap)
+    norm = p.register_stage(
+        normalize_quantized if quantized else normalize,
+        "normalize",
+        reads=("registry.recognizers",),
+    ).depends_on(source)
+    qmap = p.register_stage(quant_map, "quant_map", reads=("ctx.lpbq",)).depends_on(norm)
+    if quantized:
+        qp = p.register_stage(qparams_from_program, "qparams", reads=()).depends_on(source, qmap)
+    else:
+        qp = p.register_stage(qparams_from_model, "qparams", reads=("input.state",))
+        qp.depends_on(qmap)
+    graph = p.register_stage(marker_graph, "marker_graph", reads=()).depends_on(norm)
+    return source, graph, qmap, qp
 
 
 __all__ = ["FORMATS", "QnnOnnxOptions", "build_qnn_pipeline"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
+from torchao.quantization.pt2e.observer import ObserverBase
 from torchao.quantization.pt2e.quantizer import (
     QuantizationAnnotation,
     QuantizationSpecBase,
@@ -30,7 +31,7 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
-from graphbuild.errors import ConfigError
+from graphbuild.errors import ConfigError, ExportError
 from graphbuild.frontend.quantize import register_preset, resolve_attr
 from graphbuild.targets.qnn.aten_view import AtenView, aten_view
 from graphbuild.targets.qnn.htp import Plan, TensorRule, plan
@@ -44,6 +45,7 @@ __all__ = [
     "activation_spec",
     "is_preset_quantizer",
     "lpbq_block_scale_bits",
+    "observer_rules",
     "preset_bits",
     "weight_spec",
 ]
@@ -120,9 +122,13 @@ class QnnQuantizer(Quantizer):
         return view, plan(view.view, self.weight_bits, self.activation_bits)
 
     def annotate(self, model: GraphModule) -> GraphModule:
-        """Attach one quantizer to every tensor the HTP rules quantize."""
+        """Attach one quantizer to every tensor the HTP rules quantize. What was placed where
+        is kept (``placed``), so that the rules of the other presets can be read for the
+        same observers (``observer_rules``)."""
         view, rules = self.plan(model)
-        _Annotator(model, view, rules, lpbq=self.lpbq).run()
+        annotator = _Annotator(model, view, rules, lpbq=self.lpbq)
+        annotator.run()
+        self.placed = _Placed(view, rules, dict(annotator.placed))
         return model
 
     def validate(self, model: GraphModule) -> None:
@@ -139,6 +145,8 @@ class _Annotator:
         self.inputs: dict[Node, dict[Node, QuantizationSpecBase]] = defaultdict(dict)
         self.output: dict[Node, QuantizationSpecBase] = {}
         self.anchors: dict[str, object] = {}
+        #: (observed node, first reader or "" for an output) -> the tensor quantized there
+        self.placed: dict[tuple[str, str], str] = {}
         self.skipped = self._unsupported_tensors()
         self.readers: dict[str, list[Node]] = defaultdict(list)
         for op in view.view.ops:  # the fx nodes that read each tensor, as the view has it
@@ -227,11 +235,13 @@ class _Annotator:
         if node.op == "call_function" and tensor not in self.view.edges:
             self.output[node] = spec
             self.anchors.setdefault(tensor, node)
+            self.placed.setdefault((node.name, ""), tensor)
             return
         readers = self.readers.get(tensor, [])
         if not readers:
             return
         first = (node, readers[0])
+        self.placed.setdefault((node.name, readers[0].name), tensor)
         self.inputs[readers[0]][node] = spec
         for reader in readers[1:]:
             self.inputs[reader][node] = SharedQuantizationSpec(first)
@@ -243,6 +253,59 @@ def lpbq_block_scale_bits(quantizer: object) -> int | None:
     else None."""
     preset = quantizer.preset if isinstance(quantizer, QnnQuantizer) else quantizer
     return _LPBQ_PRESETS.get(preset) if isinstance(preset, str) else None
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """The plan one annotation followed, and the tensor placed at each observed spot."""
+
+    view: AtenView
+    rules: Plan
+    spots: dict[tuple[str, str], str]
+
+
+def observer_rules(
+    quantizer: QnnQuantizer, prepared: GraphModule, presets: tuple[str, ...] = PRESETS
+) -> dict[str, dict[str, TensorRule]]:
+    """For every observer module of ``prepared`` (``prepare_pt2e`` with ``quantizer``), the
+    HTP rule of the tensor it observes under each of ``presets``: the presets quantize the
+    same tensors with other bit-widths and symmetries, so one placement serves them all and
+    a preset change recomputes values only (DESIGN.md, invariant 13). An
+    :class:`ExportError` names a tensor the presets would place differently."""
+    placed: _Placed | None = getattr(quantizer, "placed", None)
+    if placed is None:
+        raise ExportError("observer_rules: the quantizer has not annotated a graph yet")
+    plans = {}
+    for name in presets:
+        weight_bits, activation_bits = preset_bits(name)
+        plans[name] = plan(placed.view.view, weight_bits, activation_bits)
+    _check_same_placement(placed.rules, plans)
+    modules = dict(prepared.named_modules(remove_duplicate=False))
+    out: dict[str, dict[str, TensorRule]] = {}
+    for node in prepared.graph.nodes:
+        if node.op != "call_module" or not isinstance(modules[node.target], ObserverBase):
+            continue
+        source = node.args[0]
+        spots = [(source.name, ""), *((source.name, u.name) for u in node.users)]
+        tensor = next((placed.spots[s] for s in spots if s in placed.spots), None)
+        if tensor is None:
+            raise ExportError(f"observer_rules: no tensor was placed at '{source.name}'")
+        owner = placed.rules[tensor].group
+        out.setdefault(str(node.target), {name: p[owner] for name, p in plans.items()})
+    return out
+
+
+def _check_same_placement(reference: Plan, plans: dict[str, Plan]) -> None:
+    want = {t: r.group for t, r in reference.quantized().items()}
+    for name, other in plans.items():
+        got = {t: r.group for t, r in other.quantized().items()}
+        if got != want:
+            differ = sorted(set(got.items()) ^ set(want.items()))[:5]
+            raise ExportError(
+                f"preset '{name}' quantizes other tensors than the placement it shares "
+                f"({', '.join(t for t, _ in differ)}): give it a placement of its own in "
+                "graphbuild.targets.qnn.options.PRESET_PLACEMENTS"
+            )
 
 
 def is_preset_quantizer(quantizer: object) -> bool:

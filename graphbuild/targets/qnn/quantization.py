@@ -1,0 +1,507 @@
+"""The QNN presets' quantization as structure, then statistics, then values (DESIGN.md,
+invariant 13).
+
+::
+
+    capture -> place_quantizers ---------------------------------> marker_graph -> to_onnx
+                 |  placement -> weight_stats -----+-> left_float --^
+                 |  fold_source -> fold_weights    |      +-> quant_map, quant_sites
+                 +------------------> calibrate ---+----------> qparams
+
+- **place_quantizers** (structure): ``prepare_pt2e`` with the preset family's quantizer on the
+  captured program, observers replaced by numbered markers, traced once. It reads which
+  tensors the presets quantize (``ctx.quantizer_placement``), never the bit-widths: the
+  three presets share it, and it records each one's bit-width and symmetry per observer.
+- **fold_weights**, **weight_stats** (values of the weights): the BatchNorm fold on the
+  real weights, and the min/max of every stored tensor a quantizer reads.
+- **calibrate** (statistics): the site program run over the calibration batches; per
+  observer the min/max, each call's range and, for the percentile and MSE range methods,
+  a histogram.
+- **left_float**: which quantizers calibration leaves float (they saw ``inf``) and the qid
+  of each other one; **marker_graph** drops those markers (a structure change, rare).
+- **quant_map** and **qparams** (values): the preset's grids, and scales and zero points
+  from the statistics and the range method: what a preset change or a new range method
+  reruns, with no trace and no calibration pass. **quant_sites** is the quant map of the
+  first preset, what ``onnx`` lowering reads (which tensor each qid marks).
+
+The exported files are byte for byte those of the one-stage PT2E quantize
+(``build_qnn_pipeline(..., split=False)``), which tests check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from graphbuild.engine.codecs import roundtrip
+from graphbuild.engine.pipeline import Pipeline, StageRef
+from graphbuild.frontend.capture import as_args
+from graphbuild.frontend.devices import host_state, to_device
+from graphbuild.frontend.programs import ProgramArtifact, strip_state, with_state
+from graphbuild.quant.markers import MARKER_TARGET
+from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
+
+__all__ = ["wire_split_quantization"]
+
+
+class Overlay(Mapping[str, torch.Tensor]):
+    """Tensors by name from the first mapping that has them (folded, created, the model)."""
+
+    def __init__(self, *layers: Mapping[str, torch.Tensor]) -> None:
+        self.layers = layers
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        for layer in self.layers:
+            try:  # not ``in``: a HostState would copy a device tensor to answer it
+                return layer[name]
+            except KeyError:
+                continue
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        seen: set[str] = set()
+        for layer in self.layers:
+            for name in layer:
+                if name not in seen:
+                    seen.add(name)
+                    yield name
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _preset(quantizer: Any) -> str:
+    return quantizer if isinstance(quantizer, str) else quantizer.preset
+
+
+# --------------------------------------------------------------------------- structure
+
+
+def _describer(presets: tuple[str, ...]) -> Any:
+    def describe(quantizer: Any, prepared: Any) -> dict[str, Any]:
+        return _describe(quantizer, prepared, presets)
+
+    return describe
+
+
+def _describe(quantizer: Any, prepared: Any, presets: tuple[str, ...]) -> dict[str, Any]:
+    from graphbuild.targets.qnn.preset import observer_rules
+
+    return {
+        module: {
+            preset: {
+                "bits": rule.bits,
+                "symmetric": rule.symmetric,
+                "per_channel": rule.per_channel,
+                "fixed": list(rule.fixed) if rule.fixed is not None else None,
+                "min_scale": rule.min_scale,
+            }
+            for preset, rule in rules.items()
+        }
+        for module, rules in observer_rules(quantizer, prepared, presets).items()
+    }
+
+
+def place_quantizers(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """Structure: the quantizers of the presets that share ``ctx.quantizer_placement``
+    placed on the captured program (one trace), with each preset's rules per observer."""
+    from graphbuild.frontend.placement import place_quantizers as place
+    from graphbuild.targets.qnn.options import presets_placed_as
+    from graphbuild.targets.qnn.preset import QnnQuantizer
+
+    (captured,) = inputs
+    presets = presets_placed_as(context["quantizer_placement"])
+    placement = place(
+        captured.program,
+        QnnQuantizer(presets[0]),
+        to_device(as_args(samples), "cpu"),
+        _describer(presets),
+    )
+    program = roundtrip(ProgramArtifact(strip_state(placement.program)))
+    return program, {**placement.layout(), "presets": list(presets)}, placement.created
+
+
+def placement(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """The layout and created tensors alone: what the value stages read, without the
+    program."""
+    ((_, layout, created),) = inputs
+    return layout, created
+
+
+def fold_source(inputs: tuple, samples: Any, context: Any) -> Any:
+    """The captured program when the placement folded BatchNorm (``fold_weights`` replays
+    the fold on the real weights), else nothing: a model without BatchNorm loads nothing."""
+    captured, (layout, _) = inputs
+    return captured if layout["folded"] else None
+
+
+def fold_weights(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Values: the state tensors the BatchNorm fold rewrites, from the real weights."""
+    from graphbuild.frontend.placement import fold_weights as fold
+    from graphbuild.targets.qnn.preset import QnnQuantizer
+
+    program, (layout, _) = inputs
+    if program is None:
+        return {}
+    quantizer = QnnQuantizer(layout["presets"][0])  # its rewrites come before the fold
+    return fold(program.program, host_state(context.input), layout["folded"], quantizer)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def weight_stats(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Statistics of the quantizers that read stored tensors: from the tensors alone."""
+    from graphbuild.frontend.statistics import static_statistics
+
+    (layout, created), folded = inputs
+    tensors = Overlay(folded, created, host_state(context.input))
+    return static_statistics(layout["sites"], layout["groups"], tensors)
+
+
+def calibrate(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Statistics: the site program run over the calibration batches (the sample inputs
+    when there are none)."""
+    from graphbuild.frontend.statistics import calibrate as run
+    from graphbuild.frontend.statistics import calibration_batches
+
+    (program, layout, created), folded = inputs
+    state = Overlay(folded, created, host_state(context.input))
+    batches = calibration_batches(context["calibration"], as_args(samples))
+    return run(
+        with_state(program.program, state),
+        layout["sites"],
+        layout["groups"],
+        batches,
+        histograms=context["statistics"] == "histogram",
+    )
+
+
+def left_float(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Which quantizers calibration leaves float (their values were not finite) and the qid
+    of every other site: the only way statistics reach the structure."""
+    from graphbuild.frontend.statistics import Statistics, observed_ranges
+
+    (layout, _), weights, activations = inputs
+    stats = Statistics(weights, activations)
+    dropped, _ = observed_ranges(layout["sites"], layout["groups"], stats)
+    qids: list[int | None] = []
+    kept = 0
+    for site in layout["sites"]:
+        if site["index"] in dropped:
+            qids.append(None)
+        else:
+            qids.append(kept)
+            kept += 1
+    names = {layout["sites"][i]["source"]: why for i, why in dropped.items()}
+    return {"qids": qids, "left_float": dict(sorted(names.items()))}
+
+
+def marker_graph(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
+    """Structure: the site program with one marker per quantizer, numbered as qids (the
+    markers of quantizers left float removed)."""
+    from graphbuild.frontend.normalize import relabel_markers
+
+    (program, _, _), kept = inputs
+    qids = dict(enumerate(kept["qids"]))
+    return roundtrip(ProgramArtifact(strip_state(relabel_markers(program.program, qids))))
+
+
+# --------------------------------------------------------------------------- values
+
+
+def _rule(layout: Mapping[str, Any], group: int, preset: str) -> dict[str, Any]:
+    return layout["groups"][group]["settings"][preset]
+
+
+def _spec_of(rule: Mapping[str, Any], axis: int | None) -> Any:
+    from graphbuild.targets.qnn.observers import quantization_spec
+
+    fixed = tuple(rule["fixed"]) if rule["fixed"] is not None else None
+    axis = axis if rule["per_channel"] else None
+    if axis is None and rule["per_channel"]:  # as the preset's annotator does
+        return quantization_spec(rule["bits"], symmetric=rule["symmetric"])
+    return quantization_spec(
+        rule["bits"],
+        symmetric=rule["symmetric"],
+        axis=axis,
+        fixed=fixed,
+        min_scale=rule["min_scale"],
+    )
+
+
+def quant_map(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """The preset's grid for every kept quantizer (and, as the one-stage path records it,
+    what calibration left float)."""
+    (layout, _), kept = inputs
+    return _quant_map(layout, kept, _preset(context["quantizer"]))
+
+
+def quant_sites(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """The quant map of the placement's first preset, whatever preset is set: what lowering for
+    ``onnx`` reads (which tensor each qid marks, never a grid), the same for every preset,
+    so a preset change does not lower the skeleton again. (The split's outputs are compared
+    byte for byte with the one-stage pipeline's for every preset: a lowering that read a
+    grid would show there.)"""
+    (layout, _), kept = inputs
+    return _quant_map(layout, kept, layout["presets"][0])
+
+
+def _quant_map(layout: Mapping[str, Any], kept: Mapping[str, Any], preset: str) -> tuple:
+    specs = []
+    for site, qid in zip(layout["sites"], kept["qids"], strict=True):
+        if qid is None:
+            continue
+        group = layout["groups"][site["group"]]
+        spec = _spec_of(_rule(layout, site["group"], preset), group["axis"])
+        per_channel = spec.qscheme in (torch.per_channel_symmetric, torch.per_channel_affine)
+        axis = spec.ch_axis if per_channel else None
+        kind = "channel" if per_channel else "tensor"
+        specs.append(
+            QuantSpec(
+                qid=qid,
+                bits=(spec.quant_max - spec.quant_min).bit_length(),
+                signed=spec.quant_min < 0,
+                qmin=spec.quant_min,
+                qmax=spec.quant_max,
+                axis=axis,
+                param=site["tensor"] if site["input"] == "state" else None,
+                op=f"quantized_decomposed.quantize_per_{kind}.default",
+                node=site["source"],
+                symmetric=spec.quant_min < 0,
+            )
+        )
+    doc = QuantMap(tuple(specs)).to_json()
+    if kept["left_float"]:
+        doc["left_float"] = dict(kept["left_float"])
+    return doc, {}
+
+
+def _observer(spec: Any) -> Any:
+    """The observer ``prepare_pt2e`` builds from ``spec`` (torchao's own recipe)."""
+    from dataclasses import asdict
+
+    kwargs = asdict(spec)
+    ctr = kwargs.pop("observer_or_fake_quant_ctr")
+    cls = getattr(getattr(ctr, "p", None), "func", ctr)
+    if "PerChannel" not in cls.__name__:
+        kwargs.pop("ch_axis")
+    return ctr.with_args(**kwargs)()
+
+
+def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Values: every kept quantizer's scale and zero point, from the statistics, the
+    preset's grid and the range method: what ``convert_pt2e`` would write (per tensor as
+    the literal it writes, per channel as the tensor). The asymmetric per-tensor groups of
+    one grid go through their observer's arithmetic together (elementwise: the same
+    numbers)."""
+    from graphbuild.frontend.ranges import activation_range
+    from graphbuild.frontend.statistics import Statistics, static_groups
+
+    (layout, _), weights, activations, kept = inputs
+    stats = Statistics(weights, activations)
+    preset = _preset(context["quantizer"])
+    sites = layout["sites"]
+    static = static_groups(sites)
+    observers: dict[str, tuple[Any, Any]] = {}  # one per distinct grid: only min/max differ
+    ranges: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
+    for site, qid in zip(sites, kept["qids"], strict=True):
+        group = site["group"]
+        if qid is None or group in ranges:
+            continue
+        rule, axis = _rule(layout, group, preset), layout["groups"][group]["axis"]
+        grid = repr((sorted(rule.items()), axis))
+        if grid not in observers:
+            spec = _spec_of(rule, axis)
+            observers[grid] = (spec, _observer(spec))
+        spec = observers[grid][0]
+        low, high = stats.range(group)
+        if group not in static and low.numel() == 1:
+            steps = spec.quant_max - spec.quant_min
+            symmetric = spec.qscheme == torch.per_tensor_symmetric
+            low, high = activation_range(stats, group, context["range"], steps, symmetric)
+        ranges[group] = (grid, low, high)
+    values = _batched_qparams(ranges, observers)
+    for group, (grid, low, high) in ranges.items():
+        if group not in values:
+            spec, observer = observers[grid]
+            observer.min_val, observer.max_val = low.clone(), high.clone()
+            values[group] = _as_written(spec, *observer.calculate_qparams())
+    return QuantValues(
+        {q: values[s["group"]] for s, q in zip(sites, kept["qids"], strict=True) if q is not None}
+    ).to_tensors()
+
+
+def _batched_qparams(
+    ranges: Mapping[int, tuple[str, torch.Tensor, torch.Tensor]],
+    observers: Mapping[str, tuple[Any, Any]],
+) -> dict[int, QParams]:
+    """The asymmetric per-tensor groups with an observed range, one observer call per grid."""
+    members: dict[str, list[int]] = {}
+    for group, (grid, low, high) in ranges.items():
+        spec = observers[grid][0]
+        ok = low.numel() == 1 and bool(torch.isfinite(low) & torch.isfinite(high) & (low <= high))
+        if spec.qscheme == torch.per_tensor_affine and ok:
+            members.setdefault(grid, []).append(group)
+    out: dict[int, QParams] = {}
+    for grid, groups in members.items():
+        spec, observer = observers[grid]
+        low = torch.stack([ranges[g][1].reshape(()) for g in groups])
+        high = torch.stack([ranges[g][2].reshape(()) for g in groups])
+        scales, zero_points = observer._calculate_qparams(low, high)
+        for i, group in enumerate(groups):
+            out[group] = _as_written(spec, scales[i], zero_points[i])
+    return out
+
+
+def _as_written(spec: Any, scale: torch.Tensor, zero_point: torch.Tensor) -> QParams:
+    """Scale and zero point as ``convert_pt2e`` writes them and ``normalize`` reads them back:
+    per tensor a Python float and int in the graph, per channel the tensors."""
+    if scale.numel() == 1 and spec.qscheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        scale = torch.tensor([float(scale)], dtype=torch.float64)
+        zero_point = torch.tensor([int(zero_point)], dtype=torch.int64)
+    return QParams(
+        scale.to(torch.float32).reshape(-1).clone(),
+        zero_point.to(torch.int64).reshape(-1).clone(),
+    )
+
+
+def bind_weights(inputs: tuple, samples: Any, context: Any) -> Any:
+    """The model's weights, the folded ones and the placement's own tensors into the
+    lowered skeleton; what it reads of the model is keyed by ``weight_digests``."""
+    from graphbuild.onnx.bind import bind
+
+    (lowered, _), (qmap, _), qvalues, digests, (_, created), folded = inputs
+    model = host_state(context.input)
+    return bind(
+        lowered,
+        Overlay(folded, created, model),
+        QuantMap.from_json(qmap),
+        QuantValues.from_tensors(qvalues),
+        fake_quantize_weights=context["fake_quantize_weights"],
+        state_digests={
+            name: d.rpartition(":")[2] for name, d in digests.items() if name not in folded
+        },
+    )
+
+
+#: AIMET's ``quant_scheme`` names of the range methods it has (encodings' quantizer_args)
+_QUANT_SCHEMES = {"minmax": "min_max", "percentile": "percentile", "mse": "tf_enhanced"}
+
+
+def encodings(inputs: tuple, samples: Any, context: Any) -> Any:
+    """The encodings file, its ``quant_scheme`` the range method's AIMET name."""
+    from graphbuild.targets.qnn.pipeline import write_encodings
+
+    scheme = _QUANT_SCHEMES.get(context["range"]["method"])
+    return write_encodings(inputs, context, scheme)
+
+
+def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
+    """The coverage report, with the activations whose calibrated range collapsed."""
+    from graphbuild.frontend.statistics import Statistics, observed_ranges
+    from graphbuild.targets.qnn.pipeline import coverage as report
+
+    lowered, (qmap, fixed), qvalues, (layout, _), weights, activations = inputs
+    stats = Statistics(weights, activations)
+    _, degenerate = observed_ranges(layout["sites"], layout["groups"], stats)
+    doc = dict(qmap)
+    if degenerate:
+        doc["degenerate"] = dict(sorted(degenerate.items()))
+    return report((lowered, (doc, fixed), qvalues), samples, context)
+
+
+def reference(inputs: tuple, samples: Any, context: Any) -> dict:
+    """The quantized model's outputs on the sample inputs, and its quantized tensors
+    (``tensor:<qid>``), for ``check_numerics``: the marker graph with each marker a
+    quantize-dequantize of the computed values, as the one-stage program runs them."""
+    from graphbuild.frontend.reference import outputs_dict
+    from graphbuild.targets.qnn.numerics import TENSOR_PREFIX
+
+    marker, (qmap, _), qvalues, (_, created), folded = inputs
+    state = Overlay(folded, created, host_state(context.input))
+    specs = QuantMap.from_json(qmap)
+    values = QuantValues.from_tensors(qvalues)
+    seen: dict[int, torch.Tensor] = {}
+
+    def fake_quantize(x: torch.Tensor, qid: int) -> torch.Tensor:
+        y = _quantize_dequantize(x, specs[qid], values[qid])
+        seen[qid] = y.detach().float().contiguous()
+        return y
+
+    module = with_state(marker.program, state).module()
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target is MARKER_TARGET:
+            node.target = fake_quantize
+    module.recompile()
+    with torch.no_grad():
+        outputs = module(*to_device(as_args(samples), "cpu"))
+    flat = torch.utils._pytree.tree_flatten(outputs)[0]
+    out = outputs_dict(flat)
+    out.update({f"{TENSOR_PREFIX}{qid}": v for qid, v in seen.items()})
+    return out
+
+
+def _quantize_dequantize(x: torch.Tensor, spec: QuantSpec, value: QParams) -> torch.Tensor:
+    """``quantized_decomposed`` quantize then dequantize, with the arguments convert_pt2e
+    gives them (per tensor: Python numbers)."""
+    from graphbuild.targets.qnn.observers import _SIGNED, _UNSIGNED
+
+    qd = torch.ops.quantized_decomposed
+    dtype = (_SIGNED if spec.signed else _UNSIGNED)[spec.bits]
+    if spec.axis is None:
+        args = (float(value.scale), int(value.zero_point), spec.qmin, spec.qmax, dtype)
+        return qd.dequantize_per_tensor(qd.quantize_per_tensor(x, *args), *args)
+    args = (value.scale, value.zero_point, spec.axis, spec.qmin, spec.qmax, dtype)
+    return qd.dequantize_per_channel(qd.quantize_per_channel(x, *args), *args)
+
+
+# --------------------------------------------------------------------------- wiring
+
+
+def wire_split_quantization(p: Pipeline, cap: StageRef) -> dict[str, StageRef]:
+    """Register the structure, statistics and value stages after ``cap``; returns the
+    stages the rest of the pipeline builds on (``marker_graph``, ``quant_map``, ``quant_sites``,
+    ``qparams``, ``placement``, ``fold_weights``, ``weight_stats``, ``calibrate``)."""
+    place = p.register_stage(
+        place_quantizers,
+        "place_quantizers",
+        reads=("ctx.quantizer_placement", "registry.quantizer_presets", "samples.spec"),
+    ).depends_on(cap)
+    layout = p.register_stage(placement, "placement", reads=()).depends_on(place)
+    bn = p.register_stage(fold_source, "fold_source", reads=())
+    bn.depends_on(cap, layout)
+    folded = p.register_stage(fold_weights, "fold_weights", reads=("input.state",))
+    folded.depends_on(bn, layout)
+    weights = p.register_stage(weight_stats, "weight_stats", reads=("input.state",))
+    weights.depends_on(layout, folded)
+    acts = p.register_stage(
+        calibrate,
+        "calibrate",
+        reads=(
+            "input.state",
+            "ctx.calibration",
+            "ctx.statistics",
+            "samples.spec",
+            "samples.values",
+        ),
+    ).depends_on(place, folded)
+    kept = p.register_stage(left_float, "left_float", reads=()).depends_on(layout, weights, acts)
+    graph = p.register_stage(marker_graph, "marker_graph", reads=()).depends_on(place, kept)
+    qmap = p.register_stage(quant_map, "quant_map", reads=("ctx.quantizer",))
+    qmap.depends_on(layout, kept)
+    sites = p.register_stage(quant_sites, "quant_sites", reads=()).depends_on(layout, kept)
+    values = p.register_stage(qparams, "qparams", reads=("ctx.quantizer", "ctx.range"))
+    values.depends_on(layout, weights, acts, kept)
+    return {
+        "marker_graph": graph,
+        "quant_map": qmap,
+        "quant_sites": sites,
+        "qparams": values,
+        "placement": layout,
+        "fold_weights": folded,
+        "weight_stats": weights,
+        "calibrate": acts,
+    }
