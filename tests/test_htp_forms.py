@@ -66,7 +66,7 @@ def assert_fully_quantized(check: dict, sqnr_vs_cpu_db: float = 70) -> dict:
     assert partition["float_ops"] == [], partition["float_ops"]
     (out,) = check["outputs"]
     assert out["forced_max_diff_steps"] <= 2, out
-    assert out["sqnr_htp_vs_cpu_db"] >= sqnr_vs_cpu_db, out
+    assert float(out["sqnr_htp_vs_cpu_db"]) >= sqnr_vs_cpu_db, out
     return out
 
 
@@ -146,7 +146,7 @@ def test_leaving_the_int16_requantization_out_costs_attention_steps_on_the_htp(t
     without = assert_fully_quantized(check, sqnr_vs_cpu_db=55)
     assert with_it["max_diff_steps"] <= 4
     assert without["max_diff_steps"] >= 4 * with_it["max_diff_steps"], (with_it, without)
-    assert without["sqnr_htp_vs_cpu_db"] <= with_it["sqnr_htp_vs_cpu_db"] - 10
+    assert float(without["sqnr_htp_vs_cpu_db"]) <= float(with_it["sqnr_htp_vs_cpu_db"]) - 10
 
 
 def test_attention_for_v69_compiles_by_default_without_the_int16_requantization(tmp_path):
