@@ -20,6 +20,7 @@ import pytest
 from onnx import numpy_helper
 
 from tests import zoo
+from tests.test_qdq_forms import export_bias_relu
 from tests.zoo_exports import DEFAULT_CASES, PRESETS, export_zoo
 
 aimet_onnx = pytest.importorskip(
@@ -159,6 +160,61 @@ def test_aimet_imports_the_qdq_model_without_int16_requantization_strictly_as_it
         strict=True,
         param_type=param_type,
         activation_type=activation_type,
+        config_file=CONFIG,
+        path=tempfile.mkdtemp(prefix="aimet_sim_"),
+    )
+    enabled = [q for q in sim.qc_quantize_op_dict.values() if q.enabled]
+    assert enabled and all(q.is_initialized() for q in enabled)
+
+
+@pytest.mark.parametrize("preset", ["w8a16", "w4a16"])
+def test_aimet_groups_a_linears_bias_add_with_its_relu_as_the_encodings_do(preset, tmp_path):
+    """MatMul + Add (a linear on 3-D activations) then Relu: AIMET's sim leaves the Add's
+    output unquantized (its ``Add -> Relu`` supergroup), and so do the encodings."""
+    art = export_bias_relu(tmp_path, "onnx", preset)
+    sim = sim_for(onnx.load(art.files["onnx"]), preset)
+    mismatches = load_encodings_to_sim(sim, str(art.files["encodings"]), strict=True)
+    assert [m for m in mismatches if m.has_mismatch()] == []
+
+
+def without_relu_group_quantizers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """``model`` with each QuantizeLinear -> DequantizeLinear between an Add and its Relu
+    (the HTP form of the ``Add -> Relu`` supergroup) bypassed, after checking it is the
+    Relu output's own encoding: the same scale and zero point initializers."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    bypassed = []
+    for relu in [n for n in model.graph.node if n.op_type == "Relu"]:
+        dq = producer.get(relu.input[0])
+        q = (
+            producer.get(dq.input[0])
+            if dq is not None and dq.op_type == "DequantizeLinear"
+            else None
+        )
+        if q is None or q.op_type != "QuantizeLinear" or producer[q.input[0]].op_type != "Add":
+            continue
+        (after,) = [r for r in readers[relu.output[0]] if r.op_type == "QuantizeLinear"]
+        assert list(q.input[1:]) == list(after.input[1:]), q.name
+        relu.input[0] = q.input[0]
+        bypassed += [q, dq]
+    for node in bypassed:
+        model.graph.node.remove(node)
+    return model, len(bypassed) // 2
+
+
+def test_aimet_imports_the_qdq_model_of_a_bias_add_before_a_relu_strictly(tmp_path):
+    """Once the HTP's Q/DQ on the Add (the Relu's own grid: exact) is bypassed."""
+    art = export_bias_relu(tmp_path, "onnx_qdq", "w8a16")
+    model, bypassed = without_relu_group_quantizers(onnx.load(art.files["onnx"]))
+    assert bypassed == 1
+    sim = QuantizationSimModel.from_onnx_qdq(
+        model,
+        strict=True,
+        param_type="int8",
+        activation_type="int16",
         config_file=CONFIG,
         path=tempfile.mkdtemp(prefix="aimet_sim_"),
     )

@@ -22,6 +22,7 @@ from torch import nn
 import graphbuild as gb
 from tests import zoo
 from tests.test_htp_patterns import LlamaStyleRMSNorm, NewGelu, PartialRotary
+from tests.test_qdq_forms import BiasRelu
 
 pytest.importorskip("onnxruntime_qnn", reason="the htp extra (onnxruntime-qnn) is not installed")
 
@@ -167,6 +168,15 @@ def test_an_rmsnorm_runs_quantized_as_one_op(tmp_path):
 
 def test_a_full_rotary_split_runs_without_its_empty_half(tmp_path):
     check = export_and_check(RotaryBlock, (1, 2, 4, 8), tmp_path, "w8a8")
+    assert assert_fully_quantized(check, sqnr_vs_cpu_db=30)["max_diff_steps"] <= 2
+
+
+def test_a_linear_bias_add_before_a_relu_runs_fully_quantized(tmp_path):
+    assert_fully_quantized(export_and_check(BiasRelu, (1, 8, 32), tmp_path))
+
+
+def test_a_linear_bias_add_before_a_relu_runs_fully_quantized_at_8_bits(tmp_path):
+    check = export_and_check(BiasRelu, (1, 8, 32), tmp_path, "w8a8")
     assert assert_fully_quantized(check, sqnr_vs_cpu_db=30)["max_diff_steps"] <= 2
 
 

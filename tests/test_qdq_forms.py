@@ -8,6 +8,8 @@ The HTP itself judges them in ``tests/test_htp_forms.py``.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -345,3 +347,59 @@ def test_the_int16_requantization_is_on_by_default_for_the_archs_that_take_it() 
     assert QnnOnnxOptions(htp_arch=["v81", "v68"]).requantizes_matmul_inputs() is False
     assert QnnOnnxOptions(htp_arch="v68", matmul_int16_requantize=True).requantizes_matmul_inputs()
     assert not QnnOnnxOptions(matmul_int16_requantize=False).requantizes_matmul_inputs()
+
+
+# ---------------------------------------------------------------------------- Add -> Relu
+
+
+class BiasRelu(nn.Module):
+    """Linears with a bias on 3-D activations (MatMul + Add in ONNX), each Add read by a Relu:
+    AIMET's ``Add -> Relu`` supergroup leaves the Add's output unquantized."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def export_bias_relu(out, fmt: str, preset: str = "w8a16", **options) -> gb.ExportArtifacts:
+    torch.manual_seed(0)
+    sample = (torch.randn(1, 8, 32),)
+    calibration = [sample, (torch.randn(1, 8, 32),)]
+    return gb.export(
+        BiasRelu().eval(),
+        sample,
+        out / f"{fmt}-{preset}",
+        "mlp",
+        format=fmt,
+        options=gb.QnnOnnxOptions(quantizer=preset, calibration=calibration, **options),
+        cache=out / "cache",
+    )
+
+
+def test_an_add_before_a_relu_is_unquantized_in_the_encodings_as_aimet_groups_them(tmp_path):
+    art = export_bias_relu(tmp_path, "onnx")
+    model = onnx.load(art.files["onnx"])
+    (relu,) = nodes_of(model, "Relu")
+    assert producer(model, relu.input[0]).op_type == "Add"
+    doc = json.loads(art.files["encodings"].read_text())
+    activations = {e["name"] for e in doc["activation_encodings"]}
+    assert relu.output[0] in activations and relu.input[0] not in activations
+
+
+def test_an_add_before_a_relu_is_quantized_with_the_relus_encoding_in_the_qdq_model(tmp_path):
+    """QNN fuses no Add with its Relu: a float Add output would run the linear float; the
+    Relu's own grid (it holds 0) gives the same numbers."""
+    art = export_bias_relu(tmp_path, "onnx_qdq", check_numerics=True)
+    model = onnx.load(art.files["onnx"])
+    (relu,) = nodes_of(model, "Relu")
+    dq = producer(model, relu.input[0])
+    assert dq.op_type == "DequantizeLinear"
+    q = producer(model, dq.input[0])
+    assert q.op_type == "QuantizeLinear" and producer(model, q.input[0]).op_type == "Add"
+    (after,) = [n for n in nodes_of(model, "QuantizeLinear") if n.input[0] == relu.output[0]]
+    assert list(q.input[1:]) == list(after.input[1:])  # the very scale and zero point
+    numerics = art.report.extra["numerics"]
+    assert numerics["forced"]["max_error_steps"] <= 2, numerics["forced"]

@@ -35,7 +35,8 @@ def apply_matmul_add(
     walk: ViewWalk, q: Quantizers, params: dict[str, tuple[OpNode, str]], param_bits: int
 ) -> set[str]:
     """AIMET's MatmulAdd pass: MatMul(x, W) + b is a linear; its MatMul output and b stay
-    float (the bias, recorded in ``params``). Returns the ops it matched."""
+    float (the bias, recorded in ``params``). Returns the MatMuls it matched: the Add is the
+    linear's output op, and may start a supergroup (``Add -> Relu``), as in AIMET's sim."""
     matched: set[str] = set()
     constants = walk.view.constants
     for op in walk.view.ops:
@@ -48,7 +49,7 @@ def apply_matmul_add(
         if len(other) != 1 or other[0] not in constants:
             continue
         bias = other[0]
-        matched.update((op.name, add.name))
+        matched.add(op.name)
         if op.outputs[0] in q:
             q[op.outputs[0]].disable("MatMul of a linear: its Add is quantized")
         if bias in q:

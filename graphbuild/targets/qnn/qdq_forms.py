@@ -2,7 +2,7 @@
 
 A QDQ model says what is quantized; QNN's execution provider decides from its *form* which
 ops the HTP runs quantized. Checked on onnxruntime-qnn's libQnnHtp (QNN 2.40, v73 to v81),
-four forms differ from what the lowering writes by itself:
+five forms differ from what the lowering writes by itself:
 
 1. **Activations on the unsigned grid.** An activation in a signed container (int16 or int8,
    the AIMET form of a symmetric activation: keys, values, sin/cos, tanh) makes QNN refuse the
@@ -24,6 +24,12 @@ four forms differ from what the lowering writes by itself:
 4. **LayerNormalization's bias as int32.** A float bias makes QNN run the LayerNorm float
    (and its float LayerNorm feeding a quantized Gemm gives wrong rows); the bias becomes
    DequantizeLinear of int32 values with scale ``input scale x gamma scale``, zero point 0.
+
+5. **An Add's output before a Relu.** AIMET's ``Add -> Relu`` supergroup (a linear's bias Add,
+   a residual sum) leaves the Add's output unquantized; QNN's execution provider fuses no
+   such pair, so the Add (with a linear's MatMul: its FullyConnected) would run float. The
+   Add's output gets Q -> DQ with the Relu output's encoding: exact, since rounding onto a
+   grid that holds 0 commutes with the Relu.
 
 The encodings file needs none of this: QNN's converter derives the same forms from it, and
 the grids, hence the values, are the same (DESIGN.md's offset is ``-z`` unsigned,
@@ -98,6 +104,7 @@ class _Forms:
 
     def run(self, movement: Collection[str], matmul_int16_requantize: bool) -> None:
         self._requantize_movement(movement)
+        self._quantize_before_relu()
         if matmul_int16_requantize:
             self._signed_matmul_inputs()
         self._unsigned_activations(keep_matmul_signed=matmul_int16_requantize)
@@ -196,6 +203,30 @@ class _Forms:
             name=self.namer.fresh(f"{base}_DQ"),
         )
         return q, dq
+
+    # -- 5. an Add in a supergroup with its Relu --------------------------------------------
+
+    def _quantize_before_relu(self) -> None:
+        for node in list(self.graph):
+            if node.op_type != "Relu" or node.domain != "" or not node.inputs:
+                continue
+            x = node.inputs[0]
+            add = x.producer() if x is not None else None
+            if add is None or add.op_type != "Add" or add.domain != "" or len(x.uses()) != 1:
+                continue
+            if x.dtype not in FLOAT_TYPES:
+                continue
+            quantize = next(
+                (u.node for u in node.outputs[0].uses() if u.node.op_type == "QuantizeLinear"),
+                None,
+            )
+            if quantize is None or len(quantize.inputs) < 2:
+                continue
+            scale = quantize.inputs[1]
+            if scale is None or scale.shape is None or scale.shape.rank() != 0:
+                continue
+            zero = quantize.inputs[2] if len(quantize.inputs) > 2 else None
+            self._quantize_after(add, x, scale, zero)
 
     # -- 2. the second input of a MatMul ----------------------------------------------------
 
