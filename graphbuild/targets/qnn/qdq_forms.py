@@ -25,11 +25,12 @@ five forms differ from what the lowering writes by itself:
    (and its float LayerNorm feeding a quantized Gemm gives wrong rows); the bias becomes
    DequantizeLinear of int32 values with scale ``input scale x gamma scale``, zero point 0.
 
-5. **An Add's output before a Relu.** AIMET's ``Add -> Relu`` supergroup (a linear's bias Add,
-   a residual sum) leaves the Add's output unquantized; QNN's execution provider fuses no
-   such pair, so the Add (with a linear's MatMul: its FullyConnected) would run float. The
-   Add's output gets Q -> DQ with the Relu output's encoding: exact, since rounding onto a
-   grid that holds 0 commutes with the Relu.
+5. **A linear's bias Add before a Relu.** AIMET's ``Add -> Relu`` supergroup leaves the Add's
+   output unquantized. Where the Add reads dequantized inputs alone (a residual sum),
+   onnxruntime drops a Relu before a QuantizeLinear whose grid starts at 0 and QNN runs a
+   quantized Add; where it reads a float intermediate (a linear's MatMul output on 3-D
+   activations) the linear would run float. That Add's output gets Q -> DQ with the Relu
+   output's encoding: exact, since rounding onto a grid that holds 0 commutes with the Relu.
 
 The encodings file needs none of this: QNN's converter derives the same forms from it, and
 the grids, hence the values, are the same (DESIGN.md's offset is ``-z`` unsigned,
@@ -214,6 +215,8 @@ class _Forms:
             add = x.producer() if x is not None else None
             if add is None or add.op_type != "Add" or add.domain != "" or len(x.uses()) != 1:
                 continue
+            if all(self._encoding(i) is not None for i in add.inputs):
+                continue  # DQ -> Add -> Relu -> Q is a QDQ Add once ORT drops the Relu
             if x.dtype not in FLOAT_TYPES:
                 continue
             quantize = next(
