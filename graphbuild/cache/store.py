@@ -7,6 +7,8 @@ as a miss, never an error. Writes are atomic; a cache that cannot be written (fu
 unreachable server) warns once and the run goes on uncached; a read-only cache (a mounted team
 cache, a CI runner, a consumer of a shared server) is read without a warning and gives hits.
 Explain records and placement stamps are checked for shape: a malformed one is no record.
+Leases on keys (:mod:`~graphbuild.cache.leases`) let processes sharing the cache build each
+key once at a time.
 
 It knows manifests and blobs, never what an artifact decodes to: which blobs an entry holds
 is read from its manifest (:func:`~graphbuild.cache.manifest.blob_refs`), so maintenance
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from graphbuild.cache.base import ActionIndex, Stores
+from graphbuild.cache.leases import DEFAULT_SECONDS, Lease, new_owner
 from graphbuild.cache.local import open_local
 from graphbuild.cache.manifest import (
     InvalidManifest,
@@ -153,6 +156,8 @@ class ByteCache:
         self._writable = not stores.readonly and stores.index is not None
         self.quarantined = stores.quarantined
         self.damage = stores.damage
+        #: how long a lease on a key lasts without renewal (:mod:`graphbuild.cache.leases`)
+        self.lease_seconds = DEFAULT_SECONDS
 
     @property
     def marked(self) -> bool:
@@ -299,6 +304,28 @@ class ByteCache:
             self._write_failed(err)
             return False
         return True
+
+    def try_lease(self, key: str) -> Lease | None:
+        """The lease on building ``key``: a :class:`Lease` when this process may build it
+        (taken, or not held at all where the index cannot hold leases: a read-only or
+        unreachable cache), None while another process holds it."""
+        if not self._writable or self._index is None:
+            return Lease.unheld(key)
+        owner = new_owner()
+        try:
+            taken = self._index.acquire_lease(key, owner, self.lease_seconds)
+        except OSError:
+            return Lease.unheld(key)
+        return Lease(self._index, key, owner, self.lease_seconds) if taken else None
+
+    def lease_holder(self, key: str) -> str | None:
+        """Who holds the lease on building ``key`` (``host:pid:token``); None when free."""
+        if self._index is None:
+            return None
+        try:
+            return self._index.lease_holder(key)
+        except OSError:
+            return None
 
     def last_run(self, pipeline: str, stage: str) -> dict[str, Any] | None:
         """What a stage read the last time it ran for ``pipeline`` (for ``explain``)."""
