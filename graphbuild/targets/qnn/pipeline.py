@@ -274,23 +274,41 @@ def reference_with_tensors(inputs: tuple, samples: Any, context: Any) -> dict:
 
 def check_numerics_float(inputs: tuple, samples: Any, context: Any) -> dict:
     """``onnx``: put Q/DQ back from the ``.encodings`` file alone, run it in onnxruntime on
-    the sample inputs, and compare with the quantized torch model."""
+    the sample inputs, and compare with the quantized torch model (and, after a quantize
+    stage, with the float model)."""
     from graphbuild.targets.qnn.numerics import compare_outputs
 
-    bound, enc_file, reference, (_, names) = inputs
+    bound, enc_file, reference, (_, names), *floats = inputs
     doc = json.loads(enc_file.data)
     qids = {int(q): n for q, n in names.items()}
-    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=True, names=qids)
+    return compare_outputs(
+        bound,
+        doc,
+        reference,
+        as_args(samples),
+        reinsert=True,
+        names=qids,
+        float_reference=floats[0] if floats else None,
+    )
 
 
 def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
-    """``onnx_qdq``: run the Q/DQ model as written and compare with the torch model."""
+    """``onnx_qdq``: run the Q/DQ model as written and compare with the torch model (and,
+    after a quantize stage, with the float model)."""
     from graphbuild.targets.qnn.numerics import compare_outputs
 
-    bound, enc_file, reference, (_, names) = inputs
+    bound, enc_file, reference, (_, names), *floats = inputs
     doc = json.loads(enc_file.data)
     qids = {int(q): n for q, n in names.items()}
-    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=False, names=qids)
+    return compare_outputs(
+        bound,
+        doc,
+        reference,
+        as_args(samples),
+        reinsert=False,
+        names=qids,
+        float_reference=floats[0] if floats else None,
+    )
 
 
 # --------------------------------------------------------------------------- wiring
@@ -367,14 +385,20 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     p.products = [bound.name, enc.name]
     p.output_files = frozenset({f"{request.model_name}.encodings"})
     if opts.check_numerics:
+        floats = []
         if opts.quantizer is not None:
             ref = p.register_stage(reference_with_tensors, "reference", reads=("samples",))
             ref.depends_on(source)
+            floats.append(  # what quantizing cost: the float model's outputs
+                p.register_stage(
+                    reference_from_model, "float_reference", reads=("input", "samples")
+                )
+            )
         else:
             ref = p.register_stage(reference_from_model, "reference", reads=("input", "samples"))
         check = check_numerics_float if fmt == "onnx" else check_numerics_qdq
         check_stage = p.register_stage(check, "check_numerics", reads=("samples",))
-        check_stage.depends_on(bound, enc, ref, lower)
+        check_stage.depends_on(bound, enc, ref, lower, *floats)
         p.reports["numerics"] = "check_numerics"
     return p
 
