@@ -29,6 +29,11 @@ from graphbuild.quant.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.aten_view import UNSUPPORTED
 from graphbuild.targets.qnn.htp import CONFIG_NAME, GraphView, OpNode, Plan, TensorRule, plan
 from graphbuild.targets.qnn.onnx_view import onnx_view
+from graphbuild.targets.qnn.overrides import (
+    apply_layer_overrides,
+    onnx_tensor_modules,
+    parse_layer_overrides,
+)
 
 __all__ = ["check_coverage", "coverage_report", "summary_line"]
 
@@ -46,14 +51,23 @@ def coverage_report(
     left_float: Mapping[str, str] | None = None,
     preset: str | None = None,
     collapsed: Mapping[str, Any] | None = None,
+    overrides: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The report for one export. ``model`` is the lowered model (either format), ``names``
     qid -> the tensor each quantizer annotates, ``bits`` the preset's (weight, activation)
     bits (None: the model brought its own quantizers; settings are then not compared) and
     ``left_float`` the tensors calibration left float (name -> why), ``collapsed`` the
-    activations whose calibrated range collapsed (name -> [min, max])."""
+    activations whose calibrated range collapsed (name -> [min, max]), ``overrides`` the
+    preset's ``layer_overrides``: what it was asked to do instead of the HTP rules is what
+    the report expects, and lists as overridden."""
     view = onnx_view(model)
     rules = plan(view, *(bits or (8, 16)))
+    overridden: dict[str, str] = {}
+    if overrides and bits is not None:  # what the preset was asked to do instead
+        rules, floated, changed = apply_layer_overrides(
+            rules, onnx_tensor_modules(model, view), parse_layer_overrides(overrides), bits
+        )
+        overridden = {**floated, **changed}
     encoded = _encoded(qmap, names)
     expected = rules.quantized()
     left_float = dict(left_float or {})
@@ -87,6 +101,7 @@ def coverage_report(
         "quantized": len(expected) - len(floats) - len(mismatched),
         "float": sorted(floats, key=lambda e: e["tensor"]),
         "mismatched": sorted(mismatched, key=lambda e: e["tensor"]),
+        "overridden": [{"tensor": t, "override": overridden[t]} for t in sorted(overridden)],
         "extra": sorted(extra, key=lambda e: e["tensor"]),
         "degenerate": _degenerate(qmap, names, values, collapsed or {}),
     }
@@ -122,6 +137,8 @@ def summary_line(report: Mapping[str, Any]) -> str:
             line += ", ..."
     if report.get("mismatched"):
         line += f"; {len(report['mismatched'])} with other settings than HTP's"
+    if report.get("overridden"):
+        line += f"; {len(report['overridden'])} as layer_overrides asked"
     if report.get("extra"):
         line += f"; {len(report['extra'])} quantized where HTP keeps float"
     if report.get("degenerate"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -24,7 +24,9 @@ class QnnOnnxOptions:
     ``int32_bias`` writes int32 bias encodings (scale = input scale x weight scale) as AIMET
     does; ``None`` follows AIMET's default: on for ``2.0.0``, off for ``1.0.0`` and ``0.6.1``.
     ``strict_coverage`` fails the export when a tensor QNN HTP runs quantized is left float
-    (see the coverage report).
+    (see the coverage report). ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``,
+    ``"a8"``, ``"w4a16"``...) changes what a preset does in the matched modules
+    (:mod:`graphbuild.targets.qnn.overrides`).
     """
 
     opset: int = 21
@@ -38,6 +40,7 @@ class QnnOnnxOptions:
     check_numerics: bool = False
     int32_bias: bool | None = None
     strict_coverage: bool = False
+    layer_overrides: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -49,6 +52,8 @@ class QnnOnnxOptions:
             raise ConfigError(f"opset must be an integer from 13 to 23, not {self.opset!r}")
         for key in ("input_names", "output_names"):
             _check_names(key, getattr(self, key))
+        if self.layer_overrides:
+            _check_layer_overrides(self.layer_overrides, self.quantizer)
 
     def to_context(self) -> dict[str, Any]:
         # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
@@ -57,7 +62,22 @@ class QnnOnnxOptions:
         for key in ("input_names", "output_names"):
             if ctx[key] is not None:
                 ctx[key] = list(ctx[key])
+        overrides = self.layer_overrides
+        ctx["layer_overrides"] = dict(sorted(overrides.items())) if overrides else None
         return ctx
+
+
+def _check_layer_overrides(overrides: Mapping[str, str], quantizer: Any) -> None:
+    """Each entry must parse, and overrides apply to a QNN preset only."""
+    from graphbuild.targets.qnn.overrides import parse_layer_overrides
+
+    parse_layer_overrides(overrides)
+    preset = quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
+    if preset not in PRESETS:
+        raise ConfigError(
+            "layer_overrides change what a QNN preset does in some modules: set a preset "
+            f"({', '.join(PRESETS)}) as the quantizer, not {quantizer!r}"
+        )
 
 
 def _check_names(key: str, names: Sequence[str] | None) -> None:
@@ -89,4 +109,8 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "check_numerics": BOOL,
     "int32_bias": BOOL,
     "strict_coverage": BOOL,
+    "layer_overrides": OptionType(
+        "a table of module pattern = setting ('float', 'w4', 'a8', 'w4a16', ...)",
+        lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+    ),
 }

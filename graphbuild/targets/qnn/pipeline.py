@@ -37,15 +37,19 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     """PT2E calibration. A tensor whose calibration saw non-finite values stays float; the
     program's notes say which (the coverage report names them)."""
     from graphbuild.frontend.quantize import quantize as quantize_pt2e
-    from graphbuild.targets.qnn.preset import is_preset_quantizer  # registers the presets too
+    from graphbuild.targets.qnn.preset import (  # registers the presets too
+        is_preset_quantizer,
+        with_layer_overrides,
+    )
 
     (captured,) = inputs
     state = host_state(context.input)
     calibration = context["calibration"] or []
+    quantizer = with_layer_overrides(context["quantizer"], context["layer_overrides"])
     result = quantize_pt2e(
         captured.program,
         state,
-        context["quantizer"],
+        quantizer,
         calibration,
         as_args(samples),
         drop_non_finite=True,
@@ -251,6 +255,7 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
         qmap.get("left_float"),
         preset,
         qmap.get("degenerate"),
+        context["layer_overrides"],
     )
     for entry in report["degenerate"]:
         warnings.warn(f"coverage: '{entry['tensor']}': {entry['why']}", stacklevel=2)
@@ -334,6 +339,7 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
             reads=(
                 "input.state",
                 "ctx.quantizer",
+                "ctx.layer_overrides",
                 "registry.quantizer_presets",
                 "ctx.calibration",
                 "samples.spec",
@@ -379,7 +385,9 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         reads=("ctx.encodings_version", "ctx.model_name", "ctx.int32_bias", "ctx.quantizer"),
     ).depends_on(qmap, qp, lower)
     cov = p.register_stage(
-        coverage, "coverage", reads=("ctx.quantizer", "ctx.strict_coverage")
+        coverage,
+        "coverage",
+        reads=("ctx.quantizer", "ctx.strict_coverage", "ctx.layer_overrides"),
     ).depends_on(lower, qmap, qp)
     p.reports["coverage"] = cov.name
     p.products = [bound.name, enc.name]

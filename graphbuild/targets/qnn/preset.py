@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import (
@@ -29,6 +30,11 @@ from graphbuild.frontend.quantize import register_preset
 from graphbuild.targets.qnn.aten_view import AtenView, aten_view
 from graphbuild.targets.qnn.htp import Plan, TensorRule, plan
 from graphbuild.targets.qnn.observers import quantization_spec
+from graphbuild.targets.qnn.overrides import (
+    apply_layer_overrides,
+    parse_layer_overrides,
+    tensor_modules,
+)
 from graphbuild.targets.qnn.rewrite import rewrite_for_htp
 
 __all__ = [
@@ -38,6 +44,7 @@ __all__ = [
     "is_preset_quantizer",
     "preset_bits",
     "weight_spec",
+    "with_layer_overrides",
 ]
 
 _ANNOTATION_KEY = "quantization_annotation"
@@ -83,13 +90,22 @@ def activation_spec(bits: int):
 
 
 class QnnQuantizer(Quantizer):
-    """torchao PT2E quantizer with QNN presets: ``w8a8``, ``w8a16``, ``w4a16``."""
+    """torchao PT2E quantizer with QNN presets: ``w8a8``, ``w8a16``, ``w4a16``.
 
-    def __init__(self, preset: str = "w8a8") -> None:
+    ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``, ``"a8"``, ...: see
+    :mod:`~graphbuild.targets.qnn.overrides`) is a hook applied after the HTP rules: it
+    changes the bits of, or removes, the quantizers the rules placed in the matched modules
+    (the coverage report applies the same hook to the rules it expects)."""
+
+    def __init__(self, preset: str = "w8a8", layer_overrides: Any = None) -> None:
         self.weight_bits, self.activation_bits = preset_bits(preset)
         self.preset = preset
+        self.layer_overrides = parse_layer_overrides(layer_overrides)
 
     def __repr__(self) -> str:
+        if self.layer_overrides:
+            shown = {p: s.text for p, s in sorted(self.layer_overrides.items())}
+            return f"QnnQuantizer(preset={self.preset!r}, layer_overrides={shown!r})"
         return f"QnnQuantizer(preset={self.preset!r})"
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
@@ -99,7 +115,15 @@ class QnnQuantizer(Quantizer):
     def plan(self, model: GraphModule) -> tuple[AtenView, Plan]:
         """The HTP rule of every float tensor of ``model`` (after the rewrite)."""
         view = aten_view(model)
-        return view, plan(view.view, self.weight_bits, self.activation_bits)
+        rules = plan(view.view, self.weight_bits, self.activation_bits)
+        if self.layer_overrides:
+            rules, _, _ = apply_layer_overrides(
+                rules,
+                tensor_modules(view),
+                self.layer_overrides,
+                (self.weight_bits, self.activation_bits),
+            )
+        return view, rules
 
     def annotate(self, model: GraphModule) -> GraphModule:
         """Attach one quantizer to every tensor the HTP rules quantize."""
@@ -183,6 +207,17 @@ class _Annotator:
         for reader in readers[1:]:
             self.inputs[reader][node] = SharedQuantizationSpec(first)
         self.anchors.setdefault(tensor, first)
+
+
+def with_layer_overrides(quantizer: Any, overrides: Any) -> Any:
+    """``quantizer`` (a preset name or a QnnQuantizer) with ``layer_overrides`` applied;
+    as it is when there are none."""
+    if not overrides:
+        return quantizer
+    preset = quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
+    if preset not in _PRESET_BITS:
+        raise ConfigError(f"layer_overrides apply to a QNN preset, not to {quantizer!r}")
+    return QnnQuantizer(preset, overrides)
 
 
 def is_preset_quantizer(quantizer: object) -> bool:
