@@ -40,6 +40,7 @@ __all__ = [
     "build_default_registry",
     "export",
     "export_with_pipeline",
+    "sweep",
 ]
 
 _LAZY = {
@@ -55,6 +56,7 @@ _LAZY = {
     "build_default_registry": "targets.registry",
     "QnnOnnxOptions": "targets.qnn",
     "ExecuTorchOptions": "targets.executorch",
+    "sweep": "sweeps",
 }
 
 

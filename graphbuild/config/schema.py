@@ -28,6 +28,7 @@ _TOP: dict[str, OptionType] = {
     "cache": _TABLE,
     "quantization": _TABLE,
     "options": _TABLE,
+    "sweep": _TABLE,  # read by `graphbuild sweep` (graphbuild.sweeps), which checks it
 }
 _QUANTIZATION: dict[str, OptionType] = {"preset": STR, "quantizer": STR}
 # [cache]: dir (as cache_dir), url (a shared cache: redis://host:port/db), readonly (read the

@@ -10,11 +10,13 @@ exists only inside one op's ONNX lowering, calibration that dropped the quantize
 pre-quantized model without a quantizer there. It also flags degenerate calibrated ranges:
 a range below a few steps of the smallest scale (the values collapse onto a few grid points,
 a random-init network whose activations vanish) or one so wide no grid resolves ordinary
-values (a ``finfo.min`` attention mask).
+values (a ``finfo.min`` attention mask). ``weight_bytes`` is the weights' size as the device
+stores them (an encoded weight at its bits).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Mapping
@@ -104,6 +106,7 @@ def coverage_report(
         "overridden": [{"tensor": t, "override": overridden[t]} for t in sorted(overridden)],
         "extra": sorted(extra, key=lambda e: e["tensor"]),
         "degenerate": _degenerate(qmap, names, values, collapsed or {}),
+        "weight_bytes": _weight_bytes(model, encoded),
     }
     report["summary"] = summary_line(report)
     return report
@@ -147,6 +150,28 @@ def summary_line(report: Mapping[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------- details
+
+
+_FLOAT_BYTES = {
+    onnx.TensorProto.FLOAT: 4,
+    onnx.TensorProto.FLOAT16: 2,
+    onnx.TensorProto.BFLOAT16: 2,
+    onnx.TensorProto.DOUBLE: 8,
+}
+
+
+def _weight_bytes(model: onnx.ModelProto, encoded: Mapping[str, QuantSpec]) -> int:
+    """The float initializers' size as the device stores them: an encoded one at its bits,
+    the rest as they are (what a sweep compares its variants' sizes by)."""
+    total = 0.0
+    for init in model.graph.initializer:
+        size = _FLOAT_BYTES.get(init.data_type)
+        if size is None:
+            continue
+        numel = int(np.prod(init.dims)) if len(init.dims) else 1
+        spec = encoded.get(init.name)
+        total += numel * (spec.bits / 8 if spec is not None and spec.param is not None else size)
+    return int(math.ceil(total))
 
 
 def _encoded(qmap: QuantMap, names: Mapping[int, str]) -> dict[str, QuantSpec]:
