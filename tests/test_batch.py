@@ -68,7 +68,9 @@ def test_each_distinct_key_runs_once_across_the_builds(tmp_path):
     assert sorted(CALLS) == sorted(["weights"] + ["scaled", "shapes", "total"] * 3 + ["described"])
     statuses = {b: {s: o.status for s, o in st.items()} for b, st in report.stages.items()}
     assert [statuses[b]["weights"] for b in ("x1.0", "x2.0", "x3.0")].count(BatchStatus.RAN) == 1
-    assert [statuses[b]["described"] for b in ("x1.0", "x2.0", "x3.0")].count(BatchStatus.SHARED) == 2
+    assert [statuses[b]["described"] for b in ("x1.0", "x2.0", "x3.0")].count(
+        BatchStatus.SHARED
+    ) == 2
     assert report.failures() == {}
 
 

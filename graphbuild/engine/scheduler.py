@@ -84,8 +84,11 @@ class _Run(Keys):
             raise KeyError(f"cannot force unknown stage(s): {', '.join(sorted(unknown))}")
         self.check = set(order) if check is True else set(check or ()) & set(order)
         super().__init__(pipeline, pipeline_input, samples, context, cache, run_id, facets)
-        if targets is not None:  # these stages and what they need, nothing else
-            wanted = set(targets)
+        # ``targets``: these stages and what they need, nothing else. What they need is
+        # read, not built for the user: its hits are not counted nor recorded for explain
+        self.targets = set(targets) if targets is not None else None
+        if self.targets is not None:
+            wanted = set(self.targets)
             for name in list(wanted):
                 pipeline._stage(name)
                 wanted |= nx.ancestors(pipeline.graph, name)
@@ -129,7 +132,7 @@ class _Run(Keys):
             st.record.key = key
             self._check_expected(name, key)
             if self.cache is not None and key is not None and not self._forced(name):
-                manifest = self.cache.lookup(key)
+                manifest = self.cache.lookup(key, count=self._targeted(name))
                 stale = self.stale_codecs(manifest) if manifest is not None else []
                 if manifest is not None and not stale:
                     self._hit(name, manifest)
@@ -156,6 +159,10 @@ class _Run(Keys):
 
     def _forced(self, name: str) -> bool:
         return self.force_all or name in self.force
+
+    def _targeted(self, name: str) -> bool:
+        """Whether the run builds ``name`` for its caller (not only as an input of one)."""
+        return self.targets is None or name in self.targets
 
     def _check_expected(self, name: str, key: str | None) -> None:
         expected = self.expect_keys.get(name)
@@ -384,7 +391,7 @@ class _Run(Keys):
         }
 
     def _remember(self, name: str) -> None:
-        if self.cache is None:
+        if self.cache is None or not self._targeted(name):
             return
         last = self.last(name)
         rec = self.states[name].record

@@ -166,15 +166,16 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, Any]], keys: Sequence[str]
 def rich_table(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> Table:
     """The rows as a table for the terminal: values, worst SQNR, size, front, time."""
     size_key, _ = size_axis(rows)
-    table = Table(title="sweep", title_justify="left", show_edge=False, pad_edge=False)
-    table.add_column("variant")
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("variant", no_wrap=True)
     for key in keys:
-        table.add_column(key)
-    table.add_column("SQNR dB", justify="right")
-    table.add_column("weights" if size_key == "weight_bytes" else "files", justify="right")
+        table.add_column(key.rpartition(".")[2], no_wrap=True)
+    table.add_column("SQNR dB", justify="right", no_wrap=True)
+    size = "weights" if size_key == "weight_bytes" else "files"
+    table.add_column(size, justify="right", no_wrap=True)
     table.add_column("front", justify="center")
-    table.add_column("ran/shared/hit", justify="right")
-    table.add_column("time", justify="right")
+    table.add_column("ran/shared/hit", justify="right", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
     checks = any(r.get("device_check") for r in rows)
     if checks:
         table.add_column("device check")
@@ -248,8 +249,14 @@ def plot(path: Path, rows: Sequence[Mapping[str, Any]], title: str) -> str | Non
         label="Pareto front",
         drawstyle="steps-post",
     )
-    for r, x, y in finite:
-        ax.annotate(r["variant"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    xs, ys = [p[1] for p in finite], [p[2] for p in finite]
+    dx, dy = (max(xs) - min(xs)) * 0.03 or 1.0, (max(ys) - min(ys)) * 0.04 or 1.0
+    placed: list[tuple[float, float]] = []
+    for r, x, y in sorted(finite, key=lambda p: (p[1], p[2])):
+        near = sum(1 for px, py in placed if abs(px - x) < dx and abs(py - y) < dy)
+        placed.append((x, y))
+        offset = (4, 4 + 9 * near)  # labels of points close together stack upward
+        ax.annotate(r["variant"], (x, y), textcoords="offset points", xytext=offset, fontsize=7)
     ax.set_xlabel(label)
     ax.set_ylabel("SQNR vs the float model, worst output (dB)")
     ax.set_title(title, fontsize=10)

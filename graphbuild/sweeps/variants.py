@@ -25,6 +25,7 @@ Nothing here imports torch: a sweep's variants are checked before any model is b
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -134,7 +135,7 @@ class SweepSettings:
             overrides = tuple((k, self._value(k, v)) for k, v in row)
             name = _unique(_variant_name(row), names)
             out.append(Variant(name, row, overrides))
-        if len({v.overrides for v in out}) != len(out):
+        if len({json.dumps(v.overrides, sort_keys=True, default=str) for v in out}) != len(out):
             raise ConfigError("sweep: two variants set the same values; each must differ")
         return out
 
