@@ -19,28 +19,9 @@ from typer.testing import CliRunner
 import graphbuild as gb
 from graphbuild.cli.app import app
 from graphbuild.errors import ConfigError
+from tests.sweep_helpers import DECODER, write_config
 
-ROOT = Path(__file__).resolve().parents[1]
-DECODER = ROOT / "examples" / "tiny_decoder.py"
 FOUR = {"quantization.preset": ["w8a16", "w4a16"], "calibration": ["default", "narrow"]}
-
-
-def write_config(directory: Path) -> Path:
-    """A config naming the tiny decoder and three calibration sets."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "graphbuild.toml"
-    path.write_text(
-        f'model = "{DECODER}:build"\n'
-        f'calibration = "{DECODER}:calibration"\n'
-        'model_name = "tiny_decoder"\n'
-        "[quantization]\n"
-        'preset = "w8a16"\n'
-        "[sweep.calibrations]\n"
-        f'default = "{DECODER}:calibration"\n'
-        f'large = "{DECODER}:calibration_large"\n'
-        f'narrow = "{DECODER}:calibration_narrow"\n'
-    )
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -207,12 +207,15 @@ def open_cache(
         return None
     shared = resolve_cache_url(url, cfg)
     readonly = readonly or (cfg is not None and cfg.cache_readonly)
-    return Cache(
+    cache = Cache(
         resolve_cache_path(cache_dir, cfg),
         readonly=readonly and not shared,
         url=shared,
         remote_readonly=readonly,
     )
+    if cfg is not None and cfg.cache_lease_seconds is not None:
+        cache.lease_seconds = float(cfg.cache_lease_seconds)
+    return cache
 
 
 def build_request(

@@ -67,6 +67,7 @@ class Config:
     cache_dir: Path | None = None
     cache_url: str | None = None
     cache_readonly: bool = False
+    cache_lease_seconds: float | None = None
     preset: str | None = None
     quantizer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -344,6 +345,7 @@ def _build(
         cache_dir=_path(root, cache_dir) if cache_dir else None,
         cache_url=cache.get("url") or None,
         cache_readonly=cache.get("readonly", False),
+        cache_lease_seconds=cache.get("lease_seconds"),
         preset=quant.get("preset"),
         quantizer=quant.get("quantizer"),
         options=options,

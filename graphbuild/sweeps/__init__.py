@@ -80,6 +80,8 @@ def sweep(
         directory = str(Path(cache).expanduser().resolve()) if cache is not None else None
         directory = directory or (str(base.cache_dir) if base.cache_dir else None)
         opened = Cache(directory, url=url)
+        if base.cache_lease_seconds is not None:
+            opened.lease_seconds = float(base.cache_lease_seconds)
     kind = executor or settings.executor or "local"
     spec = CacheSpec(
         None if (kind == "ray" and url) else (directory or str(opened.path)),

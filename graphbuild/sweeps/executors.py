@@ -128,8 +128,9 @@ class RayJobs:
         self.ray = ray
         self.started = not ray.is_initialized()
         if self.started:
+            local = {"include_dashboard": False} if address is None else {}
             with contextlib.redirect_stdout(None):
-                ray.init(address=address, log_to_driver=False, configure_logging=False)
+                ray.init(address=address, log_to_driver=False, configure_logging=False, **local)
         self.shared = ray.put((specs, cache_spec))
         self.task = ray.remote(max_retries=max_retries, retry_exceptions=False, num_cpus=1)(
             _ray_job

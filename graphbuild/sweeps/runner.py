@@ -129,7 +129,7 @@ def run_sweep(
         "variants": len(rows),
         "failed": [r["variant"] for r in rows if r["status"] != "ok"],
         "executor": executor if executor == "ray" or jobs > 1 else "inline",
-        "jobs": jobs,
+        "jobs": jobs if executor != "ray" else None,
         "keys": keys,
         "mode": settings.mode,
         "stage_runs": batch.runs_per_stage(),
