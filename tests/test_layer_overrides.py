@@ -56,26 +56,22 @@ def test_a_float_override_leaves_the_modules_tensors_float(tmp_path, cache):
     assert art.report.extra["numerics"]["outputs"][0]["sqnr_db"] > 30
 
 
-def test_a_bit_width_override_changes_the_matched_weights_only(tmp_path, cache):
-    art = export(tmp_path, cache, {"blocks.*.mlp.*": "w4"})
+def test_bit_width_overrides_change_the_matched_weights_and_activations_only(tmp_path, cache):
+    base_params, base_acts = encodings(export(tmp_path / "base", cache, None))
+    art = export(tmp_path / "w4", cache, {"blocks.*.mlp.*": "w4", "blocks.1.attn.*": "a8"})
 
     params, acts = encodings(art)
     mlp = {n: b for n, b in params.items() if ".mlp." in n}
     assert len(mlp) == 6 and set(mlp.values()) == {4}
-    linears = {n: b for n, b in params.items() if n.endswith("proj.weight")}
-    assert len(linears) == 8 and set(linears.values()) == {8}  # the attention's, as before
-    assert set(acts.values()) == {16}
+    assert {n: b for n, b in params.items() if n not in mlp} == {
+        n: b for n, b in base_params.items() if n not in mlp
+    }  # the attention's weights, norms and constants as before
+    assert acts.keys() == base_acts.keys()
+    changed = {n for n in acts if acts[n] != base_acts[n]}
+    assert changed and {acts[n] for n in changed} == {8}
+    assert {n for n in acts if acts[n] == 16} == set(acts) - changed
     overridden = {e["tensor"] for e in art.report.extra["coverage"]["overridden"]}
-    assert overridden == set(mlp)
-
-
-def test_an_activation_override_changes_the_modules_outputs(tmp_path, cache):
-    base, _ = encodings(export(tmp_path / "base", cache, None))
-    art = export(tmp_path / "a8", cache, {"blocks.1.attn.*": "a8"})
-
-    params, acts = encodings(art)
-    assert params == base
-    assert 8 in acts.values() and 16 in acts.values()
+    assert overridden == set(mlp) | changed
 
 
 def test_a_bit_width_override_reruns_values_and_cuts_off_the_onnx_exporter(tmp_path, cache):

@@ -101,7 +101,7 @@ class PoolJobs:
     def submit(self, job: StageJob) -> Future[JobResult]:
         return self.pool.submit(_pool_job, job)
 
-    def close(self) -> None:
+    def close(self) -> None:  # idempotent
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -139,9 +139,10 @@ class RayJobs:
     def submit(self, job: StageJob) -> Future[JobResult]:
         return self.task.remote(self.shared, job).future()
 
-    def close(self) -> None:
+    def close(self) -> None:  # idempotent
         if self.started:
             self.ray.shutdown()
+            self.started = False
 
 
 def make_executor(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from graphbuild.engine import digest_memo
 from graphbuild.engine.batch import BatchEvent, BatchReport, BatchStatus, run_batch
 from graphbuild.engine.store import Cache
 from graphbuild.errors import ConfigError, GraphbuildError
@@ -113,6 +114,10 @@ def run_sweep(
         ray_address=ray_address,
         max_retries=max_retries,
     )
+    # The sweep built these models and nothing changes them while it runs: a tensor's digest
+    # from one variant's keys holds for the next (each model is hashed once, not per variant).
+    reusing = digest_memo.reusing_across_runs()
+    digest_memo.reuse_across_runs(True)
     try:
         batch = run_batch(
             [builds[s.name].build for s in specs],
@@ -120,9 +125,11 @@ def run_sweep(
             runner,
             listeners=[lambda e: emit(_from_batch(e))],
         )
+        runner.close()
+        rows = [_place(v, builds, batch, emit) for v in variants]
     finally:
         runner.close()
-    rows = [_place(v, builds, batch, emit) for v in variants]
+        digest_memo.reuse_across_runs(reusing)
     reports.mark_front(rows)
     keys = [a.key for a in settings.axes] or sorted({k for v in variants for k, _ in v.values})
     summary = {
