@@ -206,3 +206,31 @@ def test_builds_sharing_an_input_can_share_its_fingerprints(tmp_path):
 
     assert report.failures() == {}
     assert facets._cache["input.state"].digest  # read once, for both builds
+
+
+def _box(m, samples, ctx):
+    from tests.engine_helpers import Box
+
+    return Box("made once")
+
+
+def _unbox(inputs, samples, ctx):
+    return {"text": inputs[0].text}
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_cache_that_keeps_values_hands_a_later_run_the_value_undecoded(tmp_path, keep):
+    from tests.engine_helpers import DECODES
+
+    cache = Cache(tmp_path / "c")
+    cache.keep_values(1 << 20 if keep else None)
+    p = Pipeline(name="values")
+    box = p.register_stage(_box, "box", reads=())
+    p.register_stage(stage("unbox", _unbox), "unbox", reads=()).depends_on(box)
+    p.run(None, cache=cache)
+    reset()
+
+    again = p.run(None, cache=cache, force=["unbox"])  # reads box's output: a hit
+
+    assert again.outputs["unbox"] == {"text": "made once"}
+    assert DECODES == ([] if keep else ["made once"])

@@ -125,3 +125,14 @@ def test_an_explicit_list_of_variants(tmp_path):
 def test_an_unknown_key_in_the_sweep_table_is_an_error():
     with pytest.raises(ConfigError, match="unknown key"):
         sweep_settings({"varry": {}})
+
+
+def test_the_example_sweep_has_the_nine_variants_the_readme_shows():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "sweep.toml"
+    settings = sweep_settings(load_config(example).sweep)
+
+    assert [v.name for v in settings.variants()] == [
+        f"{p}-{c}" for p in ("w8a16", "w8a8", "w4a16") for c in ("default", "large", "narrow")
+    ]

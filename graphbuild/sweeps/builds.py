@@ -28,7 +28,11 @@ from graphbuild.errors import ConfigError
 if TYPE_CHECKING:
     from graphbuild.engine.pipeline import Pipeline
 
-__all__ = ["CacheSpec", "VariantBuilds", "VariantSpec"]
+__all__ = ["KEEP_VALUES", "CacheSpec", "VariantBuilds", "VariantSpec"]
+
+#: Decoded stage outputs a process running a sweep's jobs keeps in memory (encoded bytes):
+#: a job rereads what earlier jobs made (Cache.keep_values).
+KEEP_VALUES = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,12 @@ def _worker_state(specs: tuple[VariantSpec, ...], cache_spec: CacheSpec) -> Any:
 
         warnings.filterwarnings("ignore")  # the sweep reports; workers' library notes are noise
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        from graphbuild.engine import digest_memo
+        from graphbuild.sweeps.builds import KEEP_VALUES
+
         cache = cache_spec.open()
+        cache.keep_values(KEEP_VALUES)  # jobs here reread what earlier jobs made
+        digest_memo.reuse_across_runs(True)  # this process built its models; nothing edits them
         _WORKER.update(key=key, builds=VariantBuilds(specs, cache), cache=cache)
     return _WORKER
 

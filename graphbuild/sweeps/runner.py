@@ -25,7 +25,7 @@ from graphbuild.engine.batch import BatchEvent, BatchReport, BatchStatus, run_ba
 from graphbuild.engine.store import Cache
 from graphbuild.errors import ConfigError, GraphbuildError
 from graphbuild.sweeps import report as reports
-from graphbuild.sweeps.builds import CacheSpec, VariantBuilds, VariantSpec
+from graphbuild.sweeps.builds import KEEP_VALUES, CacheSpec, VariantBuilds, VariantSpec
 from graphbuild.sweeps.executors import make_executor
 from graphbuild.sweeps.variants import SweepSettings, Variant
 
@@ -118,6 +118,7 @@ def run_sweep(
     # from one variant's keys holds for the next (each model is hashed once, not per variant).
     reusing = digest_memo.reusing_across_runs()
     digest_memo.reuse_across_runs(True)
+    cache.keep_values(KEEP_VALUES)  # jobs here reread what others made: keep it decoded
     try:
         batch = run_batch(
             [builds[s.name].build for s in specs],
@@ -130,6 +131,7 @@ def run_sweep(
     finally:
         runner.close()
         digest_memo.reuse_across_runs(reusing)
+        cache.keep_values(None)
     reports.mark_front(rows)
     keys = [a.key for a in settings.axes] or sorted({k for v in variants for k, _ in v.values})
     summary = {
