@@ -135,7 +135,12 @@ def sweep(
     cache_url: CacheUrlOpt = None,
     jobs: Annotated[
         int | None,
-        typer.Option("--jobs", "-j", help="Local worker processes (default: the CPUs; 1: none)."),
+        typer.Option(
+            "--jobs",
+            "-j",
+            help="Local worker processes (default: the CPUs, at most 8 and one per variant; "
+            "1: none, the jobs run in this process).",
+        ),
     ] = None,
     executor: Annotated[
         str | None,

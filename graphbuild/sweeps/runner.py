@@ -32,6 +32,7 @@ from graphbuild.sweeps.variants import SweepSettings, Variant
 __all__ = ["SweepEvent", "SweepResult", "run_sweep"]
 
 DEFAULT_OUTPUT_DIR = "sweep-out"
+MAX_DEFAULT_JOBS = 8
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ def run_sweep(
             raise ConfigError(f"sweep variant {spec.name}: {err}") from err
     emit(SweepEvent("planned", detail=f"{len(specs)} variants"))
     jobs = jobs if jobs is not None else settings.jobs
-    jobs = jobs if jobs is not None else (os.cpu_count() or 1)
+    if jobs is None:  # each worker imports torch and builds the model: not one per CPU of a big box
+        jobs = max(1, min(os.cpu_count() or 1, len(specs), MAX_DEFAULT_JOBS))
     runner = make_executor(
         executor,
         specs,
