@@ -99,7 +99,9 @@ def main() -> None:
         "load_before": [round(x, 2) for x in load_before],
         "load_after": [round(x, 2) for x in os.getloadavg()],
         "results": results,
-        "ratios": {k: round(seq / v["seconds"], 2) for k, v in results.items() if k != "sequential"},
+        "ratios": {
+            k: round(seq / v["seconds"], 2) for k, v in results.items() if k != "sequential"
+        },
     }
     text = json.dumps(doc, indent=2)
     if args.out:

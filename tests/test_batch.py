@@ -219,7 +219,7 @@ def _unbox(inputs, samples, ctx):
 
 
 @pytest.mark.parametrize("keep", [True, False])
-def test_a_cache_that_keeps_values_hands_a_later_run_the_value_undecoded(tmp_path, keep):
+def test_a_cache_that_keeps_values_decodes_an_artifact_once(tmp_path, keep):
     from tests.engine_helpers import DECODES
 
     cache = Cache(tmp_path / "c")
@@ -230,7 +230,9 @@ def test_a_cache_that_keeps_values_hands_a_later_run_the_value_undecoded(tmp_pat
     p.run(None, cache=cache)
     reset()
 
-    again = p.run(None, cache=cache, force=["unbox"])  # reads box's output: a hit
+    for _ in range(3):  # each run reads box's output, a hit
+        again = p.run(None, cache=cache, force=["unbox"])
 
     assert again.outputs["unbox"] == {"text": "made once"}
-    assert DECODES == ([] if keep else ["made once"])
+    decoded = list(DECODES)
+    assert decoded == ["made once"] * (1 if keep else 3)

@@ -102,3 +102,35 @@ def test_check_mode_fails_loudly_on_a_reused_digest_a_data_write_made_wrong(tmp_
     m.fc.weight.data.mul_(0.5)  # not seen by the version counter: the reuse would be wrong
     with pytest.raises(FingerprintMismatchError, match="version counter"):
         export(m, tmp_path, check_fingerprints=True)
+
+
+def test_a_tensor_freed_while_another_digest_is_remembered_does_not_deadlock(monkeypatch):
+    """A tensor's weak-reference callback runs wherever its last reference goes (a garbage
+    collection inside any allocation): while the memo's lock is held, it must not wait on
+    that lock."""
+    import threading
+
+    victim = torch.zeros(4)
+    digest_memo.remember(victim, "a" * 32)
+    holder = [victim]
+    del victim
+    real_token = digest_memo._token
+
+    def token_that_frees_the_victim(t):
+        holder.clear()  # its last reference: the callback runs now, inside remember
+        return real_token(t)
+
+    monkeypatch.setattr(digest_memo, "_token", token_that_frees_the_victim)
+    done = threading.Event()
+    kept = torch.ones(4)
+
+    def remember_another():
+        digest_memo.remember(kept, "b" * 32)
+        done.set()
+
+    threading.Thread(target=remember_another, daemon=True).start()
+
+    assert done.wait(10), "remember() deadlocked on the memo's own lock"
+    monkeypatch.setattr(digest_memo, "_token", real_token)
+    assert digest_memo.lookup(kept) == "b" * 32
+    assert len(digest_memo._entries) == 1  # the freed tensor's entry is gone

@@ -347,7 +347,6 @@ class _Run(Keys):
         self.ran_order.append(name)
         stored = False
         if self.cache is not None:
-            self.cache.remember(encoded.digest, value, encoded.size)
             self.cache.count_miss()
             if key is not None:
                 record = self._manifest_record(name, encoded)

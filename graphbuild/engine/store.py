@@ -72,13 +72,10 @@ class Cache(ByteCache):
         that a later run reading the same artifact takes it from memory (one export keeps its
         values for its own run anyway; many runs over one cache, a sweep's jobs, reread
         them). Sound because artifacts are content-addressed and read-only (DESIGN.md,
-        invariants 9 and 10). None: keep none (the default)."""
+        invariant 9). Only what was decoded is kept, never a value as a stage returned it:
+        every reader gets the artifact in the one form a load gives, whichever process made
+        it. None: keep none (the default)."""
         self._values = _Values(max_bytes) if max_bytes else None
-
-    def remember(self, digest: str, value: Any, size: int) -> None:
-        """A value a run computed, for :meth:`load` to return (when :meth:`keep_values`)."""
-        if self._values is not None:
-            self._values.put(digest, value, size)
 
     def load(self, manifest: dict[str, Any]) -> Any:
         """Decode an entry's artifact, verifying every blob; raises CorruptEntry."""
@@ -89,7 +86,7 @@ class Cache(ByteCache):
                 return value
         value = self._decode(manifest)
         if digest is not None:
-            self.remember(digest, value, int(manifest.get("bytes", 0)))
+            self._values.put(digest, value, int(manifest.get("bytes", 0)))  # type: ignore[union-attr]
         return value
 
     def _decode(self, manifest: dict[str, Any]) -> Any:
