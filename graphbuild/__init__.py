@@ -5,8 +5,8 @@ Exports are builds: a DAG of stages, each keyed by what it reads, run only when 
 
 from __future__ import annotations
 
-from graphbuild.engine.pipeline import Pipeline, Stage, StageRef
-from graphbuild.engine.store import Cache
+from typing import TYPE_CHECKING
+
 from graphbuild.errors import (
     ConfigError,
     ExportError,
@@ -17,6 +17,16 @@ from graphbuild.errors import (
 )
 from graphbuild.version import __version__ as __version__
 
+if TYPE_CHECKING:
+    from graphbuild.api import ExportArtifacts, ExportRequest, export, export_with_pipeline
+    from graphbuild.engine.events import EventKind, RunReport, StageEvent
+    from graphbuild.engine.pipeline import Pipeline, Stage, StageRef
+    from graphbuild.engine.status import StageStatus
+    from graphbuild.engine.store import Cache
+    from graphbuild.targets.executorch import ExecuTorchOptions
+    from graphbuild.targets.qnn import QnnOnnxOptions
+    from graphbuild.targets.registry import PipelineRegistry, build_default_registry
+
 __all__ = [
     "Cache",
     "ConfigError",
@@ -25,6 +35,7 @@ __all__ = [
     "ExportArtifacts",
     "ExportError",
     "ExportRequest",
+    "GgufOptions",
     "GraphbuildError",
     "Pipeline",
     "PipelineRegistry",
@@ -44,6 +55,10 @@ __all__ = [
 ]
 
 _LAZY = {
+    "Cache": "engine.store",
+    "Pipeline": "engine.pipeline",
+    "Stage": "engine.pipeline",
+    "StageRef": "engine.pipeline",
     "EventKind": "engine.events",
     "RunReport": "engine.events",
     "StageEvent": "engine.events",
@@ -56,13 +71,14 @@ _LAZY = {
     "build_default_registry": "targets.registry",
     "QnnOnnxOptions": "targets.qnn",
     "ExecuTorchOptions": "targets.executorch",
+    "GgufOptions": "targets.gguf",
     "sweep": "sweeps",
 }
 
 
 def __getattr__(name: str):
-    # torch, onnx and onnxscript take seconds to import: load what needs them on first use,
-    # so that `graphbuild --help` and `graphbuild cache ...` start at once.
+    # torch, onnx, onnxscript and networkx take seconds to import: load what needs them on
+    # first use, so that `graphbuild --help` and `graphbuild cache ...` start at once.
     if name in _LAZY:
         import importlib
 

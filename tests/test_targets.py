@@ -97,7 +97,7 @@ def test_options_of_one_target_are_refused_for_another(tmp_path):
 
 def test_unknown_target_lists_the_known_ones(tmp_path):
     (tmp_path / "graphbuild.toml").write_text('model = "m.py:build"\ntarget = "tflite"\n')
-    with pytest.raises(ConfigError, match="unknown target 'tflite'; known: executorch, qnn"):
+    with pytest.raises(ConfigError, match="unknown target 'tflite'; known: executorch, gguf, qnn"):
         load_config(cwd=tmp_path)
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from graphbuild.cache.base import ActionIndex
 
-__all__ = ["DEFAULT_SECONDS", "Lease", "new_owner", "owner_pid"]
+__all__ = ["DEFAULT_SECONDS", "Lease", "LeaseHolding", "new_owner", "owner_pid"]
 
 #: How long a lease lasts without renewal: how long a dead holder can make others wait.
 DEFAULT_SECONDS = 30.0
@@ -101,3 +101,34 @@ class Lease:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class LeaseHolding:
+    """Leases on keys for a cache over an index (a :class:`~.store.ByteCache`; the engine's
+    ``Cache`` is one): ``lease_seconds`` is how long a lease lasts without renewal."""
+
+    lease_seconds: float = DEFAULT_SECONDS
+    _index: ActionIndex | None
+    _writable: bool
+
+    def try_lease(self, key: str) -> Lease | None:
+        """The lease on building ``key``: a :class:`Lease` when this process may build it
+        (taken, or not held at all where the index cannot hold leases: a read-only or
+        unreachable cache), None while another process holds it."""
+        if not self._writable or self._index is None:
+            return Lease.unheld(key)
+        owner = new_owner()
+        try:
+            taken = self._index.acquire_lease(key, owner, self.lease_seconds)
+        except OSError:
+            return Lease.unheld(key)
+        return Lease(self._index, key, owner, self.lease_seconds) if taken else None
+
+    def lease_holder(self, key: str) -> str | None:
+        """Who holds the lease on building ``key`` (``host:pid:token``); None when free."""
+        if self._index is None:
+            return None
+        try:
+            return self._index.lease_holder(key)
+        except OSError:
+            return None

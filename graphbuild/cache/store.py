@@ -7,8 +7,6 @@ as a miss, never an error. Writes are atomic; a cache that cannot be written (fu
 unreachable server) warns once and the run goes on uncached; a read-only cache (a mounted team
 cache, a CI runner, a consumer of a shared server) is read without a warning and gives hits.
 Explain records and placement stamps are checked for shape: a malformed one is no record.
-Leases on keys (:mod:`~graphbuild.cache.leases`) let processes sharing the cache build each
-key once at a time.
 
 It knows manifests and blobs, never what an artifact decodes to: which blobs an entry holds
 is read from its manifest (:func:`~graphbuild.cache.manifest.blob_refs`), so maintenance
@@ -18,6 +16,7 @@ is read from its manifest (:func:`~graphbuild.cache.manifest.blob_refs`), so mai
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -27,12 +26,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from graphbuild.cache.base import ActionIndex, Stores
-from graphbuild.cache.leases import DEFAULT_SECONDS, Lease, new_owner
 from graphbuild.cache.local import open_local
 from graphbuild.cache.manifest import (
     InvalidManifest,
     blob_refs,
+    check_explain_record,
     check_manifest,
+    check_memo_record,
+    check_placement_stamp,
     check_run_record,
 )
 from graphbuild.errors import CacheError
@@ -50,6 +51,7 @@ _C = TypeVar("_C", bound="ByteCache")
 _MANIFEST = "m:"
 _LAST = "last:"
 _PLACED = "placed:"
+_MEMO = "memo:"
 _TOUCH_EVERY = 60.0
 
 
@@ -97,6 +99,7 @@ class MaintenanceReport:
     freed_bytes: int = 0
     checked_entries: int = 0
     checked_blobs: int = 0
+    checked_records: int = 0
     corrupt: list[str] | None = None
     quarantined: str | None = None
     notes: list[str] | None = None
@@ -156,8 +159,6 @@ class ByteCache:
         self._writable = not stores.readonly and stores.index is not None
         self.quarantined = stores.quarantined
         self.damage = stores.damage
-        #: how long a lease on a key lasts without renewal (:mod:`graphbuild.cache.leases`)
-        self.lease_seconds = DEFAULT_SECONDS
 
     @property
     def marked(self) -> bool:
@@ -305,28 +306,6 @@ class ByteCache:
             return False
         return True
 
-    def try_lease(self, key: str) -> Lease | None:
-        """The lease on building ``key``: a :class:`Lease` when this process may build it
-        (taken, or not held at all where the index cannot hold leases: a read-only or
-        unreachable cache), None while another process holds it."""
-        if not self._writable or self._index is None:
-            return Lease.unheld(key)
-        owner = new_owner()
-        try:
-            taken = self._index.acquire_lease(key, owner, self.lease_seconds)
-        except OSError:
-            return Lease.unheld(key)
-        return Lease(self._index, key, owner, self.lease_seconds) if taken else None
-
-    def lease_holder(self, key: str) -> str | None:
-        """Who holds the lease on building ``key`` (``host:pid:token``); None when free."""
-        if self._index is None:
-            return None
-        try:
-            return self._index.lease_holder(key)
-        except OSError:
-            return None
-
     def last_run(self, pipeline: str, stage: str) -> dict[str, Any] | None:
         """What a stage read the last time it ran for ``pipeline`` (for ``explain``)."""
         return check_run_record(self._record(f"{_LAST}{pipeline}:{stage}"))
@@ -341,6 +320,16 @@ class ByteCache:
 
     def record_placement(self, key: str, stamp: dict[str, Any]) -> None:
         self._set_record(f"{_PLACED}{key}", stamp)
+
+    def memo(self, key: str) -> dict[str, Any] | None:
+        """A record a new process would otherwise recompute (``engine.source_memo``)."""
+        return self._record(f"{_MEMO}{key}")
+
+    def record_memo(self, key: str, value: dict[str, Any]) -> None:
+        """Keep a memo record; one the cache cannot take only costs the time it saves."""
+        if self._writable and self._index is not None:
+            with contextlib.suppress(OSError):
+                self._index.set_json(f"{_MEMO}{key}", value)
 
     def _record(self, key: str) -> dict[str, Any] | None:
         """A side record (explain, placement); a damaged one only costs what it saves."""
@@ -519,7 +508,31 @@ class ByteCache:
                 report.corrupt.append(f"entry {m['key']} ({m.get('stage', '?')})")
                 if repair and self._remove_entry(k):
                     report.removed_entries += 1
+        if index is not None:
+            self._verify_records(index, report, repair)
         return report
+
+    def _verify_records(self, index: ActionIndex, report: MaintenanceReport, repair: bool) -> None:
+        """Check every side record the store holds (explain records, placement stamps, memo
+        records) for the shape their readers accept; with ``repair`` remove those that fail
+        (each only costs what it would have saved)."""
+        assert report.corrupt is not None
+        for prefix, check in _RECORD_CHECKS.items():
+            for k in list(index.keys(prefix)):
+                report.checked_records += 1
+                try:
+                    record = index.get_json(k)
+                    if record is not None:  # None: removed since it was listed
+                        check(record)
+                except OSError:
+                    raise
+                except Exception as err:
+                    report.corrupt.append(f"record {k[:80]} ({_why(err)})")
+                    if repair:
+                        try:
+                            index.delete(k)
+                        except OSError:
+                            continue
 
     def _remove_entry(self, index_key: str) -> bool:
         self._count("corrupt")
@@ -572,6 +585,13 @@ def _with_remote(local: Stores, url: str, readonly: bool) -> Stores:
         local.close()
         raise
     return layered(local, remote)
+
+
+_RECORD_CHECKS = {
+    _LAST: check_explain_record,
+    _PLACED: check_placement_stamp,
+    _MEMO: check_memo_record,
+}
 
 
 def _why(err: BaseException) -> str:

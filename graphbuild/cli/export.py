@@ -30,7 +30,7 @@ from graphbuild.cli.options import (
     load_cli_config,
     open_cache,
 )
-from graphbuild.cli.output import emit_json, make_console
+from graphbuild.cli.output import display_path, emit_json, make_console
 from graphbuild.cli.progress import Progress
 from graphbuild.cli.status import show_status
 from graphbuild.errors import ConfigError, StageError
@@ -107,6 +107,14 @@ def export(
             help="Fail (exit 1) when the coverage report finds a tensor the device runs quantized left float.",
         ),
     ] = False,
+    check_htp: Annotated[
+        bool,
+        typer.Option(
+            "--check-htp",
+            help="Compile the export on Qualcomm's HTP backend (the htp extra) with CPU fallback "
+            "disabled and compare its outputs with onnxruntime's CPU.",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Only errors and the files written.")
@@ -116,6 +124,8 @@ def export(
     """Build the model named in graphbuild.toml (or --model) for a target and format."""
     if strict_coverage:
         sets = [*(sets or []), "options.strict_coverage=true"]
+    if check_htp:
+        sets = [*(sets or []), "options.check_htp=true"]
     cfg = load_cli_config(
         config,
         target=target,
@@ -129,6 +139,9 @@ def export(
     if dry_run:
         show_status(cfg, cache, as_json)
         return
+    from graphbuild.output.directory import check_output_directory
+
+    check_output_directory(cfg.output_dir, cfg.model_name)  # before the model is even loaded
     from graphbuild.api import export_with_pipeline
     from graphbuild.output.placement import json_safe
 
@@ -164,7 +177,7 @@ def export(
             }
         )
         return
-    if quiet:
+    if quiet:  # for scripts, like --json: absolute paths
         for path in files.values():
             console.print(path, markup=False)
         return
@@ -172,18 +185,23 @@ def export(
     for line in _report_lines(report.extra):
         console.print(Text(f"  {line}"))
     for kind, path in files.items():
-        console.print(Text(f"  {kind:<10} {path}"))
+        console.print(Text(f"  {kind:<10} {display_path(path)}"))
 
 
 def _report_lines(extra: Mapping[str, Any]) -> list[str]:
     """One line per report an export made (coverage, delegation, numerics), for people, and
-    a warning line per degenerate calibrated range."""
+    a warning line per degenerate calibrated range and per tensor in a known HTP defect."""
     lines = []
     coverage = extra.get("coverage")
     if isinstance(coverage, Mapping):
         lines.append(f"coverage   {coverage.get('summary', '')}")
         for entry in coverage.get("degenerate", []):
             lines.append(f"warning    '{entry.get('tensor')}': {entry.get('why')}")
+        for entry in coverage.get("htp_defects", []):
+            lines.append(
+                f"warning    '{entry.get('tensor')}': {entry.get('reason')}; "
+                f"reproduced by {entry.get('reproduction')}"
+            )
     delegation = extra.get("delegation")
     if isinstance(delegation, Mapping):
         lines.append(
@@ -191,6 +209,9 @@ def _report_lines(extra: Mapping[str, Any]) -> list[str]:
             f"{delegation.get('delegated_subgraphs', 0)} subgraph(s), "
             f"{delegation.get('portable_ops', 0)} on portable kernels"
         )
+    htp = extra.get("htp")
+    if isinstance(htp, Mapping):
+        lines.append(f"htp        {htp.get('summary', '')}")
     numerics = extra.get("numerics")
     if isinstance(numerics, Mapping):
         against = numerics.get("reference")

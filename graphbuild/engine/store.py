@@ -14,6 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 from graphbuild.cache.base import CorruptBlob
+from graphbuild.cache.leases import LeaseHolding
 from graphbuild.cache.store import (
     ByteCache,
     CacheEntry,
@@ -58,12 +59,13 @@ class _Values:
                 self.total -= dropped
 
 
-class Cache(ByteCache):
+class Cache(ByteCache, LeaseHolding):
     """Action cache + blob store holding stage outputs. ``Cache(path)``: the local directory
     at ``path`` (default :func:`~graphbuild.cache.local.default_cache_dir`); with ``url``,
     layered over the shared cache there (local first, hits copied down, results pushed up;
     ``remote_readonly``: never push). :meth:`over` builds one over any pair of stores,
-    :meth:`remote` over a shared cache alone (for maintenance)."""
+    :meth:`remote` over a shared cache alone (for maintenance). Leases on keys let the
+    processes sharing it build each key once at a time (:class:`LeaseHolding`)."""
 
     _values: _Values | None = None
 

@@ -30,7 +30,14 @@ from graphbuild.engine.parallel import parallel_map
 from graphbuild.errors import ExportError
 from graphbuild.hashing import digest_bytes, digest_json
 from graphbuild.onnx.fakequant import broadcast_qparam, fake_quantize
-from graphbuild.onnx.lower import QID_KEY, QPARAMS_LOCATION, ROLE_KEY, SOURCE_KEY, dtype_range
+from graphbuild.onnx.lower import (
+    QID_KEY,
+    QPARAMS_LOCATION,
+    ROLE_KEY,
+    SOURCE_KEY,
+    WEIGHT_QID_KEY,
+    dtype_range,
+)
 from graphbuild.onnx.skeleton import STATE_LOCATION
 from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 
@@ -295,6 +302,7 @@ def _qparam_value(
                 f"quantizer {qid}: {role} has {value.numel()} values, '{init.name}' needs {dims}"
             )
         if role == "zero_point":
+            value = _in_container(init, spec, value.detach())
             _check_zero_point(init, spec, value)
         return value.detach().reshape(dims)
     if role in ("clip_min", "clip_max"):
@@ -307,7 +315,38 @@ def _qparam_value(
         s = broadcast_qparam(qp.scale.detach().float(), spec, tuple(x.shape))
         z = broadcast_qparam(qp.zero_point.detach().float(), spec, tuple(x.shape))
         return torch.clamp(torch.round(x / s) + z, spec.qmin, spec.qmax)
+    if role in ("bias", "bias_scale"):
+        scale = _bias_scale(meta, qvalues, qp).reshape(dims if role == "bias_scale" else -1)
+        if role == "bias_scale":
+            return scale
+        x = _state_tensor(meta[SOURCE_KEY], state).float()
+        if scale.numel() not in (1, x.numel()):
+            raise ExportError(
+                f"'{init.name}': {scale.numel()} bias scales for a bias of {x.numel()} values"
+            )
+        q = torch.round(x / scale.reshape(-1) if scale.numel() > 1 else x / scale.reshape(()))
+        return torch.clamp(q, -(2**31), 2**31 - 1).to(torch.int32)
     raise ExportError(f"initializer '{init.name}' has unknown graphbuild role '{role}'")
+
+
+def _in_container(
+    init: onnx.TensorProto, spec: QuantSpec, zero_point: torch.Tensor
+) -> torch.Tensor:
+    """The zero point as the initializer's container holds it: a signed grid in an unsigned
+    container (or the other way round) is the same grid shifted by half the container."""
+    dtype = ir.DataType(init.data_type)
+    if dtype.is_signed() == spec.signed:
+        return zero_point
+    half = 2 ** (dtype.bitwidth - 1)
+    return zero_point + half if spec.signed else zero_point - half
+
+
+def _bias_scale(meta: Mapping[str, str], qvalues: QuantValues, x: QParams) -> torch.Tensor:
+    """An int32 bias's scale: the input's (per-tensor) scale times the weight's, in float32."""
+    if x.scale.numel() != 1:
+        raise ExportError(f"quantizer {meta[QID_KEY]}: an int32 bias needs a per-tensor input")
+    weight = _quant_values(int(meta[WEIGHT_QID_KEY]), qvalues)
+    return x.scale.detach().float().reshape(()) * weight.scale.detach().float().reshape(-1)
 
 
 def _check_zero_point(init: onnx.TensorProto, spec: QuantSpec, value: torch.Tensor) -> None:

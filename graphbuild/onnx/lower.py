@@ -20,6 +20,12 @@ container is kept and the input is clamped to the grid's float range first: per-
 Grids wider than 16 bits (int32 biases) have no QuantizeLinear type: a quantized parameter
 becomes ``DequantizeLinear`` of an int32 initializer ``{name}_quantized`` (role ``quantized``),
 which bind computes from the state tensor; a 32-bit activation is an error.
+
+A target's own Q/DQ forms may add references of two more roles: ``bias_scale``, the product of
+the scales of quantizers :data:`QID_KEY` and :data:`WEIGHT_QID_KEY` (an int32 bias's scale), and
+``bias``, the state tensor :data:`SOURCE_KEY` on that int32 grid. A zero point whose container
+is unsigned while its quantizer's grid is signed (or the other way round) is the same grid
+shifted by half the container's range.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ QPARAMS_LOCATION = "graphbuild:qparams"
 QID_KEY = "graphbuild.qid"
 ROLE_KEY = "graphbuild.role"
 SOURCE_KEY = "graphbuild.source"
-ROLES = ("scale", "zero_point", "clip_min", "clip_max", "quantized")
+WEIGHT_QID_KEY = "graphbuild.weight_qid"
+ROLES = ("scale", "zero_point", "clip_min", "clip_max", "quantized", "bias", "bias_scale")
 
 _CONTAINERS = (
     ir.DataType.INT4,

@@ -8,7 +8,8 @@ a digest that a range of the previous file was recorded under is copied from the
 kernel (``os.copy_file_range``, which also shares the blocks where the file system can), then
 read back and hashed; a range that does not hash to its digest (the file was edited, truncated
 or replaced) is written from memory instead. The file is byte for byte what a full write gives,
-and nothing unverified reaches it (DESIGN.md, invariant 8).
+and nothing unverified reaches it (DESIGN.md, invariant 8). :func:`write_segments` does the
+same for a file of another format (:class:`SegmentedFile`: a GGUF file, say).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import stat
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import onnx
@@ -129,18 +131,44 @@ def write_model(
 
 
 @dataclass(frozen=True)
-class _Payload:
-    """A tensor's bytes as the file holds them, and their digest when known."""
+class Payload:
+    """A tensor's bytes as the file holds them, and their digest when known: the writer
+    copies it from a previous file holding a range of that digest (verified), or writes it."""
 
     data: bytes | memoryview
     digest: str | None
 
 
-def _payload(bound: BoundModel, init: onnx.TensorProto) -> _Payload:
+@runtime_checkable
+class SegmentedFile(Protocol):
+    """A file artifact of any format that is written segment by segment: plain bytes (a
+    header, padding) and :class:`Payload` s (tensor data), which the placement takes from
+    the file it replaces where it can (:func:`write_segments`)."""
+
+    name: str
+
+    def segments(self) -> Iterable[bytes | memoryview | Payload]: ...
+
+
+def write_segments(
+    path: Path,
+    segments: Iterable[bytes | memoryview | Payload],
+    previous: Sequence[PreviousFile] = (),
+) -> SavedFile:
+    """Write ``segments`` to ``path`` atomically, each payload copied from a range of a
+    ``previous`` file recorded under its digest where one is (verified as copied), else
+    written; the bytes are the same either way. The result records every payload's range."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _Sources(previous) as sources:
+        return _write_atomic(path, segments, sources)
+
+
+def _payload(bound: BoundModel, init: onnx.TensorProto) -> Payload:
     array = _tensor(bound, init.name)
     data = _byte_view(init, array)
     packed = not isinstance(data, memoryview)  # 4-bit or big-endian: not the array's bytes
-    return _Payload(data, None if packed else bound.digests.get(init.name))
+    return Payload(data, None if packed else bound.digests.get(init.name))
 
 
 def _tensor(bound: BoundModel, name: str) -> np.ndarray:
@@ -172,7 +200,7 @@ def _clear_reference(init: onnx.TensorProto) -> None:
 
 def _stream_tensors(
     bound: BoundModel, model: onnx.ModelProto, location: str
-) -> Iterator[bytes | _Payload]:
+) -> Iterator[bytes | Payload]:
     """Yield the data file's chunks, pointing each reference of ``model`` at its bytes."""
     offset = 0
     for init in iter_references(model.graph):
@@ -191,7 +219,7 @@ def _stream_tensors(
         offset += length
 
 
-def _stream_inline(bound: BoundModel) -> Iterator[bytes | memoryview | _Payload]:
+def _stream_inline(bound: BoundModel) -> Iterator[bytes | memoryview | Payload]:
     """The chunks of one protobuf file that parses to ``materialize(bound)``.
 
     Protobuf merges repeated occurrences of a message field and appends to repeated fields,
@@ -219,7 +247,7 @@ def _stream_inline(bound: BoundModel) -> Iterator[bytes | memoryview | _Payload]
             chunks = _inline_tensor(init, _payload(bound, init))
         else:
             chunks = [init.SerializeToString(deterministic=True)]
-        tensor_size = sum(len(c.data if isinstance(c, _Payload) else c) for c in chunks)
+        tensor_size = sum(len(c.data if isinstance(c, Payload) else c) for c in chunks)
         initializer = _field_key(_GRAPH_INITIALIZER) + _varint(tensor_size)
         frame = _field_key(_MODEL_GRAPH) + _varint(len(initializer) + tensor_size) + initializer
         size += len(frame) + tensor_size
@@ -232,7 +260,7 @@ def _stream_inline(bound: BoundModel) -> Iterator[bytes | memoryview | _Payload]
         yield from chunks
 
 
-def _inline_tensor(init: onnx.TensorProto, payload: _Payload) -> list[bytes | _Payload]:
+def _inline_tensor(init: onnx.TensorProto, payload: Payload) -> list[bytes | Payload]:
     """``init`` with the payload as ``raw_data``, serialized: the bytes are not copied."""
     tensor = onnx.TensorProto()
     tensor.CopyFrom(init)  # a reference: no data of its own
@@ -283,7 +311,7 @@ def _varint(value: int) -> bytes:
 
 def _write_atomic(
     path: Path,
-    chunks: Iterable[bytes | memoryview | _Payload],
+    chunks: Iterable[bytes | memoryview | Payload],
     sources: _Sources | None = None,
 ) -> SavedFile:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -348,15 +376,16 @@ class _FileWriter:
 
     def __init__(self, f, sources: _Sources | None):
         self.f = f
-        self.sources = sources if sources is not None and sources.ranges else None
+        copies = hasattr(os, "copy_file_range")  # Linux; elsewhere every tensor is written
+        self.sources = sources if copies and sources is not None and sources.ranges else None
         self.hasher = Hasher()
         self.pos = 0
         self.ranges: list[TensorRange] = []
         self.copied = 0
         self._buffer: bytearray | None = None
 
-    def add(self, chunk: bytes | memoryview | _Payload) -> None:
-        if not isinstance(chunk, _Payload):
+    def add(self, chunk: bytes | memoryview | Payload) -> None:
+        if not isinstance(chunk, Payload):
             self._write(chunk)
             return
         data = chunk.data

@@ -38,6 +38,7 @@ DEFAULT_TARGET = "qnn"
 _BUILTIN = {
     "qnn": "graphbuild.targets.qnn",
     "executorch": "graphbuild.targets.executorch",
+    "gguf": "graphbuild.targets.gguf",
 }
 _TARGETS: dict[str, Target] = {}
 

@@ -1,5 +1,6 @@
-"""The QNN target: an ONNX graph plus a `.encodings` file (``onnx``), or ONNX with Q/DQ nodes
-(``onnx_qdq``), built from the shared torch.export front end.
+"""The QNN target: an ONNX graph plus a `.encodings` file (``onnx``), ONNX with Q/DQ nodes
+(``onnx_qdq``), or a QNN context binary prepared on Qualcomm's HTP backend with its EPContext
+ONNX model (``context``, the ``htp`` extra), built from the shared torch.export front end.
 
 Importing this package declares the target and nothing more (no torch, no torchao): the
 pipeline module is imported when a pipeline is built, and the preset module (torchao) when
@@ -15,7 +16,10 @@ build_qnn_pipeline = lazy_builder("graphbuild.targets.qnn.pipeline", "build_qnn_
 
 TARGET = Target(
     name="qnn",
-    description="Qualcomm QNN: float ONNX + AIMET .encodings (onnx), or ONNX with Q/DQ (onnx_qdq)",
+    description=(
+        "Qualcomm QNN: float ONNX + AIMET .encodings (onnx), ONNX with Q/DQ (onnx_qdq), or "
+        "an HTP context binary + EPContext ONNX (context)"
+    ),
     formats=FORMATS,
     options_type=QnnOnnxOptions,
     build_pipeline=build_qnn_pipeline,

@@ -10,8 +10,10 @@ exists only inside one op's ONNX lowering, calibration that dropped the quantize
 pre-quantized model without a quantizer there. It also flags degenerate calibrated ranges:
 a range below a few steps of the smallest scale (the values collapse onto a few grid points,
 a random-init network whose activations vanish) or one so wide no grid resolves ordinary
-values (a ``finfo.min`` attention mask). ``weight_bytes`` is the weights' size as the device
-stores them (an encoded weight at its bits).
+values (a ``finfo.min`` attention mask). And it names the tensors in the pattern of a known
+defect of QNN's HTP backend (:mod:`graphbuild.targets.qnn.htp_defects`), with the reason and
+the test that reproduces it. ``weight_bytes`` is the weights' size as the device stores
+them (an encoded weight at its bits).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from graphbuild.errors import CoverageError
 from graphbuild.quant.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.aten_view import UNSUPPORTED
 from graphbuild.targets.qnn.htp import CONFIG_NAME, GraphView, OpNode, Plan, TensorRule, plan
+from graphbuild.targets.qnn.htp_defects import find_htp_defects
 from graphbuild.targets.qnn.onnx_view import onnx_view
 from graphbuild.targets.qnn.overrides import (
     apply_layer_overrides,
@@ -106,6 +109,9 @@ def coverage_report(
         "overridden": [{"tensor": t, "override": overridden[t]} for t in sorted(overridden)],
         "extra": sorted(extra, key=lambda e: e["tensor"]),
         "degenerate": _degenerate(qmap, names, values, collapsed or {}),
+        "htp_defects": find_htp_defects(
+            model, {t: s.bits for t, s in encoded.items() if s.param is None}
+        ),
         "weight_bytes": _weight_bytes(model, encoded),
     }
     report["summary"] = summary_line(report)
@@ -146,6 +152,10 @@ def summary_line(report: Mapping[str, Any]) -> str:
         line += f"; {len(report['extra'])} quantized where HTP keeps float"
     if report.get("degenerate"):
         line += f"; {len(report['degenerate'])} degenerate range(s)"
+    defects = report.get("htp_defects")
+    if defects:
+        names = ", ".join(sorted({e["defect"] for e in defects}))
+        line += f"; {len(defects)} in a known QNN HTP defect's pattern ({names})"
     return line
 
 

@@ -19,6 +19,8 @@ from graphbuild.targets.qnn.htp import GraphView, OpNode
 __all__ = ["onnx_view", "source_of"]
 
 _FX_NODE = "pkg.torch.onnx.fx_node"
+#: ops the rules treat as another: onnxruntime's RMSNorm is ONNX's RMSNormalization
+_SAME_RULES = {"SimplifiedLayerNormalization": "RMSNormalization"}
 _CLASSES = "pkg.torch.onnx.class_hierarchy"
 _TARGET = re.compile(r"target=(?:torch\.ops\.)?([\w.]+)")
 _FX_NAME = re.compile(r"%(\S+) :")
@@ -91,7 +93,9 @@ def onnx_view(model: onnx.ModelProto | ir.Model) -> GraphView:
         ops.append(
             OpNode(
                 name=node.name or outputs[0],
-                op_type=node.op_type,
+                op_type=_SAME_RULES.get(node.op_type, node.op_type)
+                if node.domain == ""
+                else node.op_type,
                 inputs=inputs,
                 outputs=outputs,
                 depthwise=_depthwise(node),

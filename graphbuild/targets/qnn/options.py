@@ -8,8 +8,9 @@ from typing import Any
 
 from graphbuild.errors import ConfigError
 from graphbuild.targets.base import BOOL, INT, STR, STRS, OptionType
+from graphbuild.targets.qnn.htp_targets import HtpTarget, parse_targets
 
-FORMATS = ("onnx", "onnx_qdq")
+FORMATS = ("onnx", "onnx_qdq", "context")
 ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
 DEFAULT_ENCODINGS_VERSION = "1.0.0"
 
@@ -24,9 +25,22 @@ class QnnOnnxOptions:
     ``int32_bias`` writes int32 bias encodings (scale = input scale x weight scale) as AIMET
     does; ``None`` follows AIMET's default: on for ``2.0.0``, off for ``1.0.0`` and ``0.6.1``.
     ``strict_coverage`` fails the export when a tensor QNN HTP runs quantized is left float
-    (see the coverage report). ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``,
-    ``"a8"``, ``"w4a16"``...) changes what a preset does in the matched modules
-    (:mod:`graphbuild.targets.qnn.overrides`).
+    (see the coverage report) and, with ``check_htp``, when QNN's HTP backend refuses the
+    model with CPU fallback disabled or (with a preset) runs an op in float.
+    ``check_htp`` compiles the export on QNN's HTP backend (the ``htp`` extra) for each of
+    ``htp_arch`` (``"v81"`` or a list; default: the presets' configuration, v81) with its
+    ``soc_model`` (QNN's SoC id; default: the arch's), reports what QNN took and compares its
+    outputs with onnxruntime's CPU. The ``context`` format prepares a QNN context binary for
+    each of them.
+    ``matmul_int16_requantize`` (QDQ models: ``onnx_qdq``, ``context`` and the QDQ the HTP
+    check rebuilds for ``onnx``) requantizes a 16-bit symmetric second MatMul input to int16
+    just before the MatMul, the form the HTP's 16x16 MatMul computes right (see
+    :mod:`.qdq_forms`); ``False`` leaves it out, for tools that import the QDQ model strictly
+    (AIMET's quantization sim has no quantizer there), at the cost of that product's accuracy
+    on the HTP. ``None`` (the default) requantizes unless one of ``htp_arch`` refuses a 16x16
+    MatMul with an int16 second input (v68, v69): one QDQ model serves every listed arch.
+    ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``, ``"a8"``, ``"w4a16"``...)
+    changes what a preset does in the matched modules (:mod:`graphbuild.targets.qnn.overrides`).
     """
 
     opset: int = 21
@@ -40,6 +54,10 @@ class QnnOnnxOptions:
     check_numerics: bool = False
     int32_bias: bool | None = None
     strict_coverage: bool = False
+    check_htp: bool = False
+    htp_arch: str | Sequence[str] | None = None
+    soc_model: str | Sequence[str] | None = None
+    matmul_int16_requantize: bool | None = None
     layer_overrides: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
@@ -54,13 +72,26 @@ class QnnOnnxOptions:
             _check_names(key, getattr(self, key))
         if self.layer_overrides:
             _check_layer_overrides(self.layer_overrides, self.quantizer)
+        self.htp_targets()  # a ConfigError now, not when a stage runs
+
+    def htp_targets(self) -> tuple[HtpTarget, ...]:
+        """The HTP targets ``htp_arch`` and ``soc_model`` name (default: v81)."""
+        return parse_targets(self.htp_arch, self.soc_model)
+
+    def requantizes_matmul_inputs(self) -> bool:
+        """``matmul_int16_requantize`` as set, or where unset whether every HTP target takes
+        the int16 second MatMul input (the context holds this, so a key sees the decision)."""
+        if self.matmul_int16_requantize is not None:
+            return bool(self.matmul_int16_requantize)
+        return all(t.takes_int16_matmul_input for t in self.htp_targets())
 
     def to_context(self) -> dict[str, Any]:
         # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
         ctx = {f.name: getattr(self, f.name) for f in fields(self)}
         ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
-        for key in ("input_names", "output_names"):
-            if ctx[key] is not None:
+        ctx["matmul_int16_requantize"] = self.requantizes_matmul_inputs()
+        for key in ("input_names", "output_names", "htp_arch", "soc_model"):
+            if ctx[key] is not None and not isinstance(ctx[key], (str, int)):
                 ctx[key] = list(ctx[key])
         overrides = self.layer_overrides
         ctx["layer_overrides"] = dict(sorted(overrides.items())) if overrides else None
@@ -109,6 +140,21 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "check_numerics": BOOL,
     "int32_bias": BOOL,
     "strict_coverage": BOOL,
+    "check_htp": BOOL,
+    "matmul_int16_requantize": BOOL,
+    "htp_arch": OptionType(
+        "a string or a list of strings",
+        lambda v: isinstance(v, str) or STRS.accepts(v),
+    ),
+    "soc_model": OptionType(
+        "a string, an integer or a list of them",
+        lambda v: (
+            isinstance(v, (str, int))
+            and not isinstance(v, bool)
+            or isinstance(v, list)
+            and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v)
+        ),
+    ),
     "layer_overrides": OptionType(
         "a table of module pattern = setting ('float', 'w4', 'a8', 'w4a16', ...)",
         lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),

@@ -1,4 +1,6 @@
-"""The QNN pipelines: ``qnn/onnx`` (float ONNX + ``.encodings``) and ``qnn/onnx_qdq``.
+"""The QNN pipelines: ``qnn/onnx`` (float ONNX + ``.encodings``), ``qnn/onnx_qdq`` and
+``qnn/context`` (the QDQ model prepared on QNN's HTP backend: :mod:`.htp_stages`, which also
+adds the HTP check to the others with ``check_htp``).
 
 ::
 
@@ -21,7 +23,7 @@ from typing import Any
 
 from graphbuild.engine.codecs import FileArtifact, roundtrip
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
-from graphbuild.errors import ConfigError
+from graphbuild.errors import ConfigError, ReportedWarning
 from graphbuild.frontend.capture import as_args, capture
 from graphbuild.frontend.devices import host_state, model_tensors, to_device
 from graphbuild.frontend.programs import ProgramArtifact, strip_state
@@ -153,18 +155,24 @@ def lower_onnx(inputs: tuple, samples: Any, context: Any) -> tuple:
 
 
 def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """Q/DQ in place of the markers, in the forms the HTP runs fully quantized."""
     from graphbuild.onnx.lower import lower_markers
+    from graphbuild.targets.qnn.qdq_forms import apply_htp_forms
 
     skeleton, (qmap, _) = inputs
-    lowered, names = lower_markers(skeleton, QuantMap.from_json(qmap), "onnx_qdq")
-    return lowered, {str(q): n for q, n in sorted(names.items())}
+    quant_map = QuantMap.from_json(qmap)
+    lowered, names = lower_markers(skeleton, quant_map, "onnx_qdq")
+    formed = apply_htp_forms(
+        lowered, quant_map, matmul_int16_requantize=context["matmul_int16_requantize"]
+    )
+    return formed, {str(q): n for q, n in sorted(names.items())}
 
 
 def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
     """Digests of exactly the state tensors the lowered graph binds: bind keys on these
     rather than on the whole state, so a changed quantizer buffer does not re-bind weights."""
     from graphbuild.engine.fingerprint import tensor_digests
-    from graphbuild.onnx.lower import SOURCE_KEY
+    from graphbuild.onnx.lower import QPARAMS_LOCATION, SOURCE_KEY
     from graphbuild.onnx.skeleton import STATE_LOCATION
 
     ((lowered, _),) = inputs
@@ -172,9 +180,11 @@ def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
     names = set()
     for init in lowered.graph.initializer:
         location = {e.key: e.value for e in init.external_data}.get("location")
+        meta = {p.key: p.value for p in init.metadata_props}
         if location == STATE_LOCATION:
-            meta = {p.key: p.value for p in init.metadata_props}
             names.add(meta.get(SOURCE_KEY, init.name))
+        elif location == QPARAMS_LOCATION and SOURCE_KEY in meta:  # an int32 tensor of state
+            names.add(meta[SOURCE_KEY])
     bound = [n for n in sorted(names) if n in state]
     digests = tensor_digests([state[n] for n in bound], reuse=True)  # input.state's, this run
     return {
@@ -258,7 +268,16 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
         context["layer_overrides"],
     )
     for entry in report["degenerate"]:
-        warnings.warn(f"coverage: '{entry['tensor']}': {entry['why']}", stacklevel=2)
+        warnings.warn(
+            f"coverage: '{entry['tensor']}': {entry['why']}", ReportedWarning, stacklevel=2
+        )
+    for entry in report["htp_defects"]:
+        warnings.warn(
+            f"coverage: '{entry['tensor']}': {entry['reason']}; reproduced by "
+            f"{entry['reproduction']}",
+            ReportedWarning,
+            stacklevel=2,
+        )
     if context["strict_coverage"]:
         check_coverage(report)
     return report
@@ -363,7 +382,9 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         to_onnx, "to_onnx", reads=("ctx.opset", "ctx.input_names", "ctx.output_names")
     ).depends_on(graph)
     lower = p.register_stage(
-        lower_onnx if fmt == "onnx" else lower_qdq, "lower_markers", reads=()
+        lower_onnx if fmt == "onnx" else lower_qdq,
+        "lower_markers",
+        reads=() if fmt == "onnx" else ("ctx.matmul_int16_requantize",),
     ).depends_on(onnx, qmap)
     bind_values = qp
     if fmt == "onnx":  # only weight scales reach the float graph (snapped weights)
@@ -392,6 +413,7 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     p.reports["coverage"] = cov.name
     p.products = [bound.name, enc.name]
     p.output_files = frozenset({f"{request.model_name}.encodings"})
+    ref = None
     if opts.check_numerics:
         floats = []
         if opts.quantizer is not None:
@@ -408,6 +430,23 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         check_stage = p.register_stage(check, "check_numerics", reads=("samples",))
         check_stage.depends_on(bound, enc, ref, lower, *floats)
         p.reports["numerics"] = "check_numerics"
+    if opts.check_htp or fmt == "context":
+        from graphbuild.targets.qnn.htp_stages import add_htp_stages
+
+        if ref is None or opts.quantizer is not None:  # SQNR against the float model
+            ref = p.register_stage(
+                reference_from_model, "float_reference", reads=("input", "samples")
+            )
+        add_htp_stages(
+            p,
+            opts.htp_targets(),
+            fmt=fmt,
+            bound=bound,
+            enc=enc,
+            coverage=cov,
+            reference=ref,
+            model_name=request.model_name,
+        )
     return p
 
 

@@ -108,8 +108,14 @@ class QnnQuantizer(Quantizer):
             return f"QnnQuantizer(preset={self.preset!r}, layer_overrides={shown!r})"
         return f"QnnQuantizer(preset={self.preset!r})"
 
+    def transform_before_prepare(self, model: GraphModule) -> GraphModule:
+        """The rewrites, before torchao folds BatchNorm into convolutions (it refuses one
+        whose bias is computed, which the rewrites take out of the convolution)."""
+        return rewrite_for_htp(model)
+
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
-        """One aten op per ONNX op that QNN quantizes (see ``rewrite``)."""
+        """One aten op per ONNX op that QNN quantizes (see ``rewrite``; a second pass over a
+        rewritten graph changes nothing)."""
         return rewrite_for_htp(model)
 
     def plan(self, model: GraphModule) -> tuple[AtenView, Plan]:
@@ -183,7 +189,13 @@ class _Annotator:
         axis = self._axis(tensor) if rule.per_channel else None
         if rule.per_channel and axis is None:
             return quantization_spec(rule.bits, symmetric=rule.symmetric)
-        return quantization_spec(rule.bits, symmetric=rule.symmetric, axis=axis, fixed=rule.fixed)
+        return quantization_spec(
+            rule.bits,
+            symmetric=rule.symmetric,
+            axis=axis,
+            fixed=rule.fixed,
+            min_scale=rule.min_scale,
+        )
 
     def _axis(self, tensor: str) -> int | None:
         """The output-channel axis of a weight in the op that reads it as one."""
