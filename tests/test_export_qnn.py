@@ -465,3 +465,15 @@ def test_a_model_with_its_own_quantizers_is_measured_against_itself(tmp_path, ca
     report = art.report.extra["numerics"]
     assert report["reference"] == "torch model"
     assert all("sqnr_db_vs_float" not in out for out in report["outputs"])
+
+
+def test_the_numerics_and_htp_checks_share_one_float_reference():
+    from graphbuild.api import ExportRequest, build_pipeline
+
+    options = gb.QnnOnnxOptions(quantizer="w8a16", check_numerics=True, check_htp=True)
+    pipeline = build_pipeline(ExportRequest(None, None, "out", "model", options=options))
+
+    assert pipeline.order().count("float_reference") == 1
+    assert "float_reference" in pipeline.dependencies("check_numerics")
+    readers = [s for s in pipeline.order() if "float_reference" in pipeline.dependencies(s)]
+    assert len(readers) >= 2  # the numerics check and the HTP check

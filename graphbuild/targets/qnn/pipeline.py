@@ -433,7 +433,9 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     if opts.check_htp or fmt == "context":
         from graphbuild.targets.qnn.htp_stages import add_htp_stages
 
-        if ref is None or opts.quantizer is not None:  # SQNR against the float model
+        if "float_reference" in p:  # the numerics check's
+            ref = p.get_stage("float_reference")
+        elif ref is None or opts.quantizer is not None:  # SQNR against the float model
             ref = p.register_stage(
                 reference_from_model, "float_reference", reads=("input", "samples")
             )
