@@ -154,3 +154,28 @@ def test_a_tensor_freed_while_another_digest_is_remembered_does_not_deadlock(mon
     monkeypatch.setattr(digest_memo, "_token", real_token)
     digest_memo.reusable()  # any locked access drops the freed tensor's entry
     assert [entry[3] for entry in digest_memo._entries.values()] == ["b" * 32]
+
+
+def test_a_tensor_collected_while_another_is_remembered_does_not_deadlock(monkeypatch):
+    """A remembered tensor freed while ``remember`` holds the memo's lock (the garbage
+    collector runs whenever Python allocates) calls back into the memo from the same thread."""
+    import gc
+    import threading
+
+    doomed = torch.ones(3)
+    digest_memo.remember(doomed, "d" * 32)
+    holder = [doomed]
+    del doomed
+    real = digest_memo._token
+
+    def token_freeing_the_other(t):
+        holder.clear()  # the last reference: its weakref callback runs here
+        gc.collect()
+        return real(t)
+
+    monkeypatch.setattr(digest_memo, "_token", token_freeing_the_other)
+    worker = threading.Thread(target=digest_memo.remember, args=(torch.zeros(2), "e" * 32))
+    worker.daemon = True
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "remember deadlocked on its own lock"

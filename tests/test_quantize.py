@@ -28,11 +28,12 @@ qd = torch.ops.quantized_decomposed
 Q_TENSOR, DQ_TENSOR = qd.quantize_per_tensor.default, qd.dequantize_per_tensor.default
 Q_CHANNEL, DQ_CHANNEL = qd.quantize_per_channel.default, qd.dequantize_per_channel.default
 
-WEIGHT_GRID = {"w8a8": (-128, 127), "w8a16": (-128, 127), "w4a16": (-8, 7)}
+WEIGHT_GRID = {"w8a8": (-128, 127), "w8a16": (-128, 127), "w4a16": (-8, 7), "w4a16_lpbq": (-8, 7)}
 ACT_GRID = {
     "w8a8": (0, 255, torch.uint8),
     "w8a16": (0, 65535, torch.uint16),
     "w4a16": (0, 65535, torch.uint16),
+    "w4a16_lpbq": (0, 65535, torch.uint16),
 }
 SDPA = aten.scaled_dot_product_attention.default
 SOFTMAX = {aten.softmax.int, aten._softmax.default}
@@ -228,12 +229,20 @@ def test_each_preset_quantizes_both_models(quantized: dict, name: str, preset: s
 def test_weights_are_per_channel_on_the_preset_grid(
     quantized: dict, name: str, preset: str
 ) -> None:
+    """``w4a16_lpbq``: but a bias-free linear weight with blocks of 64 inputs (LPBQ)."""
     program = quantized[name, preset]
     params = program.graph_signature.inputs_to_parameters
     weighted = [n for n in _calls(program) if n.target in WEIGHTED]
     assert weighted
     for node in weighted:
         dq = node.args[1]
+        if dq.target is qd.dequantize_per_channel_group.default:
+            assert preset == "w4a16_lpbq" and node.target is aten.linear.default
+            assert tuple(dq.args[3:7]) == (-8, 7, torch.int8, 64)
+            assert (len(node.args) < 3 or node.args[2] is None) and dq.args[0].args[0].meta[
+                "val"
+            ].shape[1] % 64 == 0
+            continue
         assert dq.target is DQ_CHANNEL and dq.args[0].target is Q_CHANNEL
         weight = dq.args[0].args[0]
         assert weight.name in params and params[weight.name].endswith("weight")

@@ -46,7 +46,9 @@ __all__ = [
     "reusing_across_runs",
 ]
 
-_lock = threading.Lock()
+# re-entrant as well: nothing that runs while it is held (a collection freeing remembered
+# tensors included) can wait on it from the same thread
+_lock = threading.RLock()
 _entries: dict[int, tuple[Any, Any, tuple, str, int]] = {}  # id -> (ref, storage ref, token,
 # digest, run)
 # Tensors gone since the last locked access, as (id, dead weak reference). Their callbacks

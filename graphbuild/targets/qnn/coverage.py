@@ -199,7 +199,9 @@ def _settings(rule: TensorRule) -> tuple[int, bool, bool]:
 
 def _spec_settings(spec: QuantSpec) -> tuple[int, bool, bool]:
     symmetric = spec.symmetric if spec.symmetric is not None else spec.signed
-    return spec.bits, bool(symmetric), spec.axis is not None and spec.block_size is None
+    # an LPBQ weight is per channel with integer block scales: what the HTP runs quantized
+    per_channel = spec.axis is not None and (spec.block_size is None or spec.is_lpbq)
+    return spec.bits, bool(symmetric), per_channel
 
 
 def _describe(bits: int, symmetric: bool, per_channel: bool) -> str:

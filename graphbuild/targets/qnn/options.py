@@ -19,9 +19,14 @@ DEFAULT_ENCODINGS_VERSION = "1.0.0"
 class QnnOnnxOptions:
     """Options of the QNN export; each becomes one context key that stages declare.
 
-    ``quantizer`` is a preset name (``w8a8``, ``w8a16``, ``w4a16``) or a torchao
+    ``quantizer`` is a preset name (``w8a8``, ``w8a16``, ``w4a16``, ``w4a16_lpbq``) or a torchao
     ``Quantizer``; with it graphbuild runs PT2E on ``calibration`` (batches of positional
     inputs). Without it the model is taken as already quantized (fake-quant or q/dq ops).
+    ``lpbq`` writes a model's own blocked int4 weight quantizers (FastForward's, say) as LPBQ:
+    integer block scales under a float scale per channel, as FastForward's export with an
+    ``LPBQProcessor(compressed_bw=4, decompressed_bw=8)`` does (the scales are compressed, so
+    the export then differs from the model by that); LPBQ quantizers (aimet-torch's
+    ``GroupedBlockQuantizeDequantize``, the ``w4a16_lpbq`` preset) are LPBQ without it.
     ``int32_bias`` writes int32 bias encodings (scale = input scale x weight scale) as AIMET
     does; ``None`` follows AIMET's default: on for ``2.0.0``, off for ``1.0.0`` and ``0.6.1``.
     ``strict_coverage`` fails the export when a tensor QNN HTP runs quantized is left float
@@ -53,6 +58,7 @@ class QnnOnnxOptions:
     calibration: Sequence[Any] | None = None
     check_numerics: bool = False
     int32_bias: bool | None = None
+    lpbq: bool = False
     strict_coverage: bool = False
     check_htp: bool = False
     htp_arch: str | Sequence[str] | None = None
@@ -127,7 +133,7 @@ def _check_names(key: str, names: Sequence[str] | None) -> None:
 
 #: The quantizer presets ``preset.py`` registers, named here so that reading a config needs
 #: no torchao import (tests/test_targets.py checks the two agree).
-PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16")
+PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16", "w4a16_lpbq")
 
 #: What a config file's ``[options]`` table may set for the qnn target.
 CONFIG_SCHEMA: dict[str, OptionType] = {
@@ -139,6 +145,7 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "fake_quantize_weights": BOOL,
     "check_numerics": BOOL,
     "int32_bias": BOOL,
+    "lpbq": BOOL,
     "strict_coverage": BOOL,
     "check_htp": BOOL,
     "matmul_int16_requantize": BOOL,

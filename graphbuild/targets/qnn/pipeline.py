@@ -39,8 +39,10 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     """PT2E calibration. A tensor whose calibration saw non-finite values stays float; the
     program's notes say which (the coverage report names them)."""
     from graphbuild.frontend.quantize import quantize as quantize_pt2e
+    from graphbuild.targets.qnn.lpbq_weights import NOTE as LPBQ_NOTE
     from graphbuild.targets.qnn.preset import (  # registers the presets too
         is_preset_quantizer,
+        lpbq_block_scale_bits,
         with_layer_overrides,
     )
 
@@ -59,6 +61,8 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     notes: dict[str, Any] = {}
     if is_preset_quantizer(context["quantizer"]):
         notes["symmetric_when_signed"] = True  # AIMET's convention, which q/dq ops do not say
+    if lpbq_block_scale_bits(context["quantizer"]) is not None:  # its blocked weights are LPBQ
+        notes[LPBQ_NOTE] = lpbq_block_scale_bits(context["quantizer"])
     if result.left_float:
         notes["left_float"] = dict(sorted(result.left_float.items()))
     if result.degenerate:
@@ -83,11 +87,15 @@ def normalize_quantized(inputs: tuple, samples: Any, context: Any) -> tuple:
     the graph's quantize ops do not say: the quantize stage notes it, the quant map records
     it."""
     from graphbuild.frontend.normalize import normalize_program
+    from graphbuild.quant.lpbq import as_lpbq
+    from graphbuild.targets.qnn.lpbq_weights import NOTE as LPBQ_NOTE
 
     (program,) = inputs
     marker, qmap = normalize_program(program.program)
     if program.notes.get("symmetric_when_signed"):
         qmap = QuantMap(tuple(replace(s, symmetric=s.signed) for s in qmap))
+    if program.notes.get(LPBQ_NOTE) is not None:  # an LPBQ preset: its blocked weights
+        qmap = as_lpbq(qmap, int(program.notes[LPBQ_NOTE]))
     doc = qmap.to_json()
     for key in ("left_float", "degenerate"):
         if program.notes.get(key):
@@ -104,8 +112,15 @@ def marker_graph(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
 
 def quant_map(inputs: tuple, samples: Any, context: Any) -> tuple:
     """The quant map alone (and the graph's own quantizer values): what the value stages
-    need, without loading a program."""
+    need, without loading a program. With ``lpbq`` the model's blocked int4 weight quantizers
+    are written as LPBQ, as FastForward's export does with an ``LPBQProcessor``."""
     ((_, qmap, fixed),) = inputs
+    if context["lpbq"]:
+        from graphbuild.quant.lpbq import as_lpbq
+
+        doc = dict(qmap)
+        doc.update(as_lpbq(QuantMap.from_json(qmap)).to_json())
+        qmap = doc
     return qmap, fixed
 
 
@@ -183,7 +198,7 @@ def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
         meta = {p.key: p.value for p in init.metadata_props}
         if location == STATE_LOCATION:
             names.add(meta.get(SOURCE_KEY, init.name))
-        elif location == QPARAMS_LOCATION and SOURCE_KEY in meta:  # an int32 tensor of state
+        elif location == QPARAMS_LOCATION and SOURCE_KEY in meta:  # state bound quantized
             names.add(meta[SOURCE_KEY])
     bound = [n for n in sorted(names) if n in state]
     digests = tensor_digests([state[n] for n in bound], reuse=True)  # input.state's, this run
@@ -371,7 +386,7 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         "normalize",
         reads=("registry.recognizers",),
     ).depends_on(source)
-    qmap = p.register_stage(quant_map, "quant_map", reads=()).depends_on(norm)
+    qmap = p.register_stage(quant_map, "quant_map", reads=("ctx.lpbq",)).depends_on(norm)
     if quantized:
         qp = p.register_stage(qparams_from_program, "qparams", reads=()).depends_on(source, qmap)
     else:
