@@ -201,6 +201,7 @@ class _Annotator:
         axis = self._axis(tensor) if rule.per_channel else None
         if (
             self.lpbq
+            and rule.bits == 4  # LPBQ weights are int4 (a layer override to w8 is not LPBQ)
             and axis is not None
             and takes_lpbq(self._shape(tensor), axis)
             and not self._biased(tensor)
