@@ -125,3 +125,15 @@ def build(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor]]:
 def calibration(batches: int = 4, seed: int = 1, vocab: int = 64, seq: int = 8) -> list:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (1, seq), generator=g),) for _ in range(batches)]
+
+
+# Calibration sets a sweep compares (examples/sweep.toml names them): more batches, and a
+# narrow one that sees only a few tokens (its ranges miss what other inputs reach).
+
+
+def calibration_large() -> list:
+    return calibration(batches=16, seed=3)
+
+
+def calibration_narrow() -> list:
+    return calibration(batches=4, seed=4, vocab=8)

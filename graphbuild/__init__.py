@@ -51,6 +51,7 @@ __all__ = [
     "build_default_registry",
     "export",
     "export_with_pipeline",
+    "sweep",
 ]
 
 _LAZY = {
@@ -71,6 +72,7 @@ _LAZY = {
     "QnnOnnxOptions": "targets.qnn",
     "ExecuTorchOptions": "targets.executorch",
     "GgufOptions": "targets.gguf",
+    "sweep": "sweeps",
 }
 
 

@@ -43,6 +43,12 @@ class FingerprintMismatchError(GraphbuildError):
     """Check mode: a stage that hit the cache produced a different output when recomputed."""
 
 
+class KeyMismatchError(GraphbuildError):
+    """A process asked to build a stage under a key computed elsewhere computes another key
+    for it: it does not have the same model, samples, options or code (an unseeded model
+    factory, an option read from the environment, another checkout)."""
+
+
 class InputMutationError(GraphbuildError):
     """A stage changed an upstream output in place instead of returning a new value."""
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,6 +256,84 @@ def test_sweep_keeps_finished_blobs(backend):
     backend.blobs.sweep(older_than=float("inf"))
 
     assert backend.blobs.read(digest) == data
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def test_a_lease_is_held_by_one_owner_at_a_time(backend):
+    assert backend.index.acquire_lease("k1", "alice", 30.0) is True
+    assert backend.index.acquire_lease("k1", "bob", 30.0) is False
+    assert backend.index.lease_holder("k1") == "alice"
+    assert backend.index.lease_holder("k2") is None
+
+
+def test_only_the_owner_renews_or_releases_a_lease(backend):
+    backend.index.acquire_lease("k1", "alice", 30.0)
+
+    assert backend.index.renew_lease("k1", "bob", 30.0) is False
+    assert backend.index.release_lease("k1", "bob") is False
+    assert backend.index.lease_holder("k1") == "alice"
+    assert backend.index.release_lease("k1", "alice") is True
+    assert backend.index.release_lease("k1", "alice") is False
+    assert backend.index.acquire_lease("k1", "bob", 30.0) is True
+
+
+def test_a_lease_nobody_renews_expires_and_another_owner_takes_it(backend):
+    backend.index.acquire_lease("k1", "dead holder", 0.3)
+    time.sleep(0.5)
+
+    assert backend.index.lease_holder("k1") is None
+    assert backend.index.renew_lease("k1", "dead holder", 30.0) is False
+    assert backend.index.acquire_lease("k1", "bob", 30.0) is True
+    assert backend.index.release_lease("k1", "dead holder") is False  # bob's stays
+    assert backend.index.lease_holder("k1") == "bob"
+
+
+def test_a_renewed_lease_outlives_its_first_time(backend):
+    backend.index.acquire_lease("k1", "alice", 0.4)
+    time.sleep(0.25)
+    assert backend.index.renew_lease("k1", "alice", 2.0) is True
+    time.sleep(0.4)
+
+    assert backend.index.lease_holder("k1") == "alice"
+    assert backend.index.acquire_lease("k1", "bob", 30.0) is False
+
+
+def test_of_owners_asking_at_the_same_moment_exactly_one_gets_the_lease(backend):
+    barrier = threading.Barrier(8)
+
+    def ask(owner: str) -> bool:
+        barrier.wait()
+        return backend.index.acquire_lease("contended", owner, 30.0)
+
+    with ThreadPoolExecutor(8) as pool:
+        taken = list(pool.map(ask, [f"owner{i}" for i in range(8)]))
+
+    assert taken.count(True) == 1
+    assert backend.index.lease_holder("contended") == f"owner{taken.index(True)}"
+
+
+def test_a_planted_lease_row_is_no_holder(backend):
+    backend.plant_row("lease:k1", "not json")
+
+    assert backend.index.lease_holder("k1") is None
+    assert backend.index.renew_lease("k1", "alice", 30.0) is False
+
+
+def test_a_cache_lease_is_renewed_while_held_and_free_once_released(backend):
+    cache = Cache.over(backend.stores)
+    cache.lease_seconds = 0.3
+    lease = cache.try_lease("k" * 32)
+    assert lease is not None and lease.held
+    time.sleep(0.7)  # more than twice its time: only renewal keeps it
+
+    assert cache.try_lease("k" * 32) is None
+    assert cache.lease_holder("k" * 32) == lease.owner
+    lease.release()
+    assert cache.lease_holder("k" * 32) is None
+    with cache.try_lease("k" * 32) as again:
+        assert again.held
 
 
 # --------------------------------------------------------------------------- a cache over them

@@ -224,3 +224,24 @@ def test_cli_strict_coverage_is_exit_1_and_the_summary_is_printed(tmp_path):
     strict = run("--strict-coverage")
     assert strict.returncode == 1
     assert "strict coverage" in strict.stderr and "lstm.weight_ih_l0" in strict.stderr
+
+
+def test_the_report_gives_the_weights_size_as_the_device_stores_them(tmp_path):
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    sample = (torch.randn(2, 64),)
+    weights = 64 * 32 + 32 * 8  # quantized at the preset's bits
+    biases = 32 + 8  # float32 (biases stay float)
+    sizes = {}
+    for preset in ("w8a16", "w4a16"):
+        art = gb.export(
+            model,
+            sample,
+            tmp_path / preset,
+            "model",
+            options=gb.QnnOnnxOptions(quantizer=preset, calibration=[sample]),
+            cache=False,
+        )
+        sizes[preset] = art.report.extra["coverage"]["weight_bytes"]
+
+    assert sizes["w8a16"] == weights + 4 * biases
+    assert sizes["w4a16"] == weights // 2 + 4 * biases

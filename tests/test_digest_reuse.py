@@ -124,6 +124,38 @@ def test_after_an_export_state_digests_sees_a_write_through_data(tmp_path):
     assert fingerprint.state_digests(m).digest != before.digest
 
 
+def test_a_tensor_freed_while_another_digest_is_remembered_does_not_deadlock(monkeypatch):
+    """A tensor's weak-reference callback runs wherever its last reference goes (a garbage
+    collection inside any allocation): while the memo's lock is held, it must not wait on
+    that lock."""
+    import threading
+
+    victim = torch.zeros(4)
+    digest_memo.remember(victim, "a" * 32)
+    holder = [victim]
+    del victim
+    real_token = digest_memo._token
+
+    def token_that_frees_the_victim(t):
+        holder.clear()  # its last reference: the callback runs now, inside remember
+        return real_token(t)
+
+    monkeypatch.setattr(digest_memo, "_token", token_that_frees_the_victim)
+    done = threading.Event()
+    kept = torch.ones(4)
+
+    def remember_another():
+        digest_memo.remember(kept, "b" * 32)
+        done.set()
+
+    threading.Thread(target=remember_another, daemon=True).start()
+
+    assert done.wait(10), "remember() deadlocked on the memo's own lock"
+    monkeypatch.setattr(digest_memo, "_token", real_token)
+    digest_memo.reusable()  # any locked access drops the freed tensor's entry
+    assert [entry[3] for entry in digest_memo._entries.values()] == ["b" * 32]
+
+
 def test_a_tensor_collected_while_another_is_remembered_does_not_deadlock(monkeypatch):
     """A remembered tensor freed while ``remember`` holds the memo's lock (the garbage
     collector runs whenever Python allocates) calls back into the memo from the same thread."""

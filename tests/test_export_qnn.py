@@ -433,3 +433,47 @@ def test_a_tied_embedding_table_gets_one_initializer_per_role(tmp_path):
     table, head = encoded[gather.input[0]], encoded[transpose.input[0]]
     assert (table["bw"], table["is_sym"], table["enc_type"]) == (16, False, "PER_TENSOR")
     assert (head["bw"], head["is_sym"], head["enc_type"]) == (8, True, "PER_CHANNEL")
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "onnx_qdq"])
+def test_a_preset_export_measures_what_quantizing_cost_against_the_float_model(
+    tmp_path, cache, fmt
+):
+    model, samples = convnet.build()
+    sqnr = {}
+    for preset in ("w8a16", "w4a16"):
+        art = export(
+            model,
+            samples,
+            tmp_path / preset,
+            cache,
+            fmt,
+            quantizer=preset,
+            calibration=convnet.calibration(),
+        )
+        report = art.report.extra["numerics"]
+        assert report["reference"] == "quantized program"
+        (out,) = report["outputs"]
+        assert out["sqnr_db_vs_float"] < out["sqnr_db"]  # quantizing costs more than ORT vs torch
+        assert out["max_abs_error_vs_float"] > 0
+        sqnr[preset] = out["sqnr_db_vs_float"]
+    assert sqnr["w4a16"] < sqnr["w8a16"]  # 4-bit weights cost more than 8-bit ones
+
+
+def test_a_model_with_its_own_quantizers_is_measured_against_itself(tmp_path, cache):
+    art = export(FakeQuantConvNet().eval(), SAMPLE, tmp_path, cache)
+    report = art.report.extra["numerics"]
+    assert report["reference"] == "torch model"
+    assert all("sqnr_db_vs_float" not in out for out in report["outputs"])
+
+
+def test_the_numerics_and_htp_checks_share_one_float_reference():
+    from graphbuild.api import ExportRequest, build_pipeline
+
+    options = gb.QnnOnnxOptions(quantizer="w8a16", check_numerics=True, check_htp=True)
+    pipeline = build_pipeline(ExportRequest(None, None, "out", "model", options=options))
+
+    assert pipeline.order().count("float_reference") == 1
+    assert "float_reference" in pipeline.dependencies("check_numerics")
+    readers = [s for s in pipeline.order() if "float_reference" in pipeline.dependencies(s)]
+    assert len(readers) >= 2  # the numerics check and the HTP check

@@ -4,7 +4,8 @@ Tiers, bottom to top: errors, compat, hashing (byte digests) and version; cache 
 manifests) and quant (the quant map and marker, the interface between front ends and
 formats); engine (the build engine: keys, codecs, the scheduler, the artifact-aware Cache);
 the torch.export front end (frontend) and the ONNX format (onnx), which know nothing of each
-other; targets and output placement; api and config; the command line; the package's top. A
+other; targets and output placement; api and config; sweeps (many exports as one build); the
+command line; the package's top. A
 module imports its own part of graphbuild or a lower tier, never a peer of its own tier.
 """
 
@@ -36,9 +37,10 @@ TIERS = {
     "output": 4,
     "api": 5,
     "config": 5,
-    "cli": 6,
-    "__init__": 7,
-    "__main__": 7,
+    "sweeps": 6,
+    "cli": 7,
+    "__init__": 8,
+    "__main__": 8,
 }
 
 #: Modules may be longer than this only when their docstring has a line starting with

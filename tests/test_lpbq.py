@@ -451,3 +451,14 @@ def test_qnn_htp_holds_the_lpbq_weights_in_lpbq_blocks(tmp_path, cache, fmt):
     # makes, its output far closer to the CPU's than either is to the float model
     assert out["sqnr_htp_db"] == pytest.approx(float(out["sqnr_cpu_db"]), abs=0.5), out
     assert float(out["sqnr_htp_vs_cpu_db"]) >= float(out["sqnr_cpu_db"]) + 20, out
+
+
+def test_a_layer_override_to_8_bit_weights_takes_the_layer_out_of_lpbq(tmp_path, cache):
+    """LPBQ is int4 with 4-bit block scales: a ``w8`` override gives that layer int8 per-channel
+    weights; the other layers stay LPBQ."""
+    art = preset_export(tmp_path, cache, layer_overrides={"fc1": "w8"})
+    assert_numerics(art)
+    entries = params(doc_of(art))
+    assert (entries["fc1.weight"]["enc_type"], entries["fc1.weight"]["bw"]) == ("PER_CHANNEL", 8)
+    assert entries["fc2.weight"]["enc_type"] == "LPBQ"
+    assert art.report.extra["coverage"]["mismatched"] == []

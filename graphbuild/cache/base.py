@@ -17,6 +17,11 @@ What every backend promises (``tests/test_cache_contract.py`` checks each one):
   this user may only read raises :class:`StoreReadOnly`: the store is then read, not
   written, for the rest of the run.
 - Maintenance (``delete``, ``clear``, ``sweep``) removes only what the store itself writes.
+- Leases (in-flight deduplication): an index hands out named leases with a timeout. Of the
+  processes asking for one lease at the same moment exactly one gets it; its holder renews it
+  while it works and gives it back when done; a holder that dies stops renewing, and the
+  lease is free again once its time runs out, so a dead holder never blocks others for
+  longer than that. A read-only index refuses leases with ``OSError``.
 """
 
 from __future__ import annotations
@@ -105,6 +110,24 @@ class ActionIndex(Protocol):
 
     def clear(self) -> None:
         """Remove every row the index wrote."""
+        ...
+
+    def acquire_lease(self, name: str, owner: str, seconds: float) -> bool:
+        """Take lease ``name`` for ``owner`` for ``seconds`` unless another owner holds one
+        that has not expired; True when taken. Atomic across processes and machines."""
+        ...
+
+    def renew_lease(self, name: str, owner: str, seconds: float) -> bool:
+        """Extend ``owner``'s lease to ``seconds`` from now; False when ``owner`` no longer
+        holds it (it expired, and perhaps another owner took it)."""
+        ...
+
+    def release_lease(self, name: str, owner: str) -> bool:
+        """Give the lease back; False when ``owner`` did not hold it (nothing is changed)."""
+        ...
+
+    def lease_holder(self, name: str) -> str | None:
+        """The owner holding lease ``name`` now; None when it is free."""
         ...
 
     def close(self) -> None: ...

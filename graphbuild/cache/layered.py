@@ -5,7 +5,8 @@ local store, and a manifest once every blob it names is local, so the local cach
 complete on its own (an export without the server finds no entry whose blobs are elsewhere).
 A run's results go to both: blobs first, then the manifest, so the shared cache never names a
 blob it does not hold. Only manifests (``m:``) are shared; explain records, placement stamps
-and hit counters stay with the machine they describe.
+and hit counters stay with the machine they describe. Leases are taken on the shared cache,
+where every machine that could build the same key looks.
 
 The shared cache is an optimisation, never a dependency: when it cannot be reached, refuses
 the credentials or stops answering, the run goes on with the local cache after one warning
@@ -139,6 +140,34 @@ class LayeredIndex:
                 self.remote.clear()
             except OSError as err:
                 self.state.failed(err)
+
+    # Leases live where the processes that share work meet: on the shared cache while it is
+    # in use and writable, else on the local one (processes of one machine still agree).
+
+    def _lease_store(self) -> ActionIndex:
+        return self.remote if self.state.writable else self.local
+
+    def _lease(self, op: str, *args: Any) -> Any:
+        store = self._lease_store()
+        try:
+            return getattr(store, op)(*args)
+        except OSError as err:
+            if store is self.local:
+                raise
+            self.state.failed(err)
+            return getattr(self.local, op)(*args)
+
+    def acquire_lease(self, name: str, owner: str, seconds: float) -> bool:
+        return bool(self._lease("acquire_lease", name, owner, seconds))
+
+    def renew_lease(self, name: str, owner: str, seconds: float) -> bool:
+        return bool(self._lease("renew_lease", name, owner, seconds))
+
+    def release_lease(self, name: str, owner: str) -> bool:
+        return bool(self._lease("release_lease", name, owner))
+
+    def lease_holder(self, name: str) -> str | None:
+        return self._lease("lease_holder", name)
 
     def close(self) -> None:
         self.local.close()

@@ -6,7 +6,8 @@ Keys, all under ``graphbuild:v1:`` (nothing else on the server is read, listed o
 - ``b:<digest>``: a blob's header, ``{"size", "chunks", "time"}``, written last;
 - ``c:<digest>:<n>``: the blob's bytes in chunks of :data:`CHUNK_SIZE` (4 MiB; a Redis value
   stays far below its 512 MiB limit and a large blob streams in pieces);
-- ``u:<token>:<n>``: chunks of an upload in progress, which expire after :data:`STAGE_TTL`.
+- ``u:<token>:<n>``: chunks of an upload in progress, which expire after :data:`STAGE_TTL`;
+- ``i:lease:<name>``: a lease (in-flight deduplication) naming its owner, with a time to live.
 
 A blob is uploaded to ``u:`` keys, then published in one MULTI/EXEC that renames its chunks
 into place, makes them persistent and writes the header; a manifest is written after every
@@ -52,6 +53,7 @@ _INDEX = PREFIX + "i:"
 _HEADER = PREFIX + "b:"
 _CHUNK = PREFIX + "c:"
 _STAGE = PREFIX + "u:"
+_LEASE = "lease:"  # index rows (under i:) of leases, with a time to live
 CHUNK_SIZE = 4 << 20
 STAGE_TTL = 6 * 3600
 _BATCH = 500
@@ -214,8 +216,66 @@ class RedisIndex:
         self._writable()
         _delete_matching(self.client, _glob(_INDEX) + "*", lambda _key: True)
 
+    # A lease is a key with a time to live, set only when absent (SET NX PX); renewing and
+    # releasing check the owner and act in one MULTI/EXEC under WATCH, so a holder whose
+    # lease expired and was taken never extends or removes the new holder's.
+
+    @_asks(write=True)
+    def acquire_lease(self, name: str, owner: str, seconds: float) -> bool:
+        self._writable()
+        row = json.dumps({"owner": owner})
+        return bool(self.client.set(_INDEX + _LEASE + name, row, nx=True, px=_ms(seconds)))
+
+    @_asks(write=True)
+    def renew_lease(self, name: str, owner: str, seconds: float) -> bool:
+        self._writable()
+        return self._if_owner(name, owner, lambda tx, key: tx.pexpire(key, _ms(seconds)))
+
+    @_asks(write=True)
+    def release_lease(self, name: str, owner: str) -> bool:
+        self._writable()
+        return self._if_owner(name, owner, lambda tx, key: tx.delete(key))
+
+    def lease_holder(self, name: str) -> str | None:
+        try:
+            return _lease_owner(self.server.ask().get(_INDEX + _LEASE + name))
+        except (redis.exceptions.RedisError, StoreUnavailable):
+            return None
+
+    def _if_owner(self, name: str, owner: str, action: Callable[[Any, str], Any]) -> bool:
+        key = _INDEX + _LEASE + name
+        with self.client.pipeline(transaction=True) as tx:
+            try:
+                tx.watch(key)
+                if _lease_owner(tx.get(key)) != owner:
+                    return False
+                tx.multi()
+                action(tx, key)
+                tx.execute()
+            except redis.exceptions.WatchError:  # changed meanwhile: no longer ours
+                return False
+            except redis.exceptions.ResponseError:  # a planted key of another type
+                return False
+        return True
+
     def close(self) -> None:
         self.client.close()
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(round(seconds * 1000)))
+
+
+def _lease_owner(raw: Any) -> str | None:
+    """The owner a lease key names; None when absent or not a lease we wrote."""
+    if raw is None:
+        return None
+    try:
+        row = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    owner = row.get("owner") if type(row) is dict else None
+    return owner if isinstance(owner, str) else None
 
 
 class RedisBlobs:

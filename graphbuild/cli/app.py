@@ -1,7 +1,8 @@
-"""The command line: ``graphbuild export | status | explain | graph | targets | cache ...``.
+"""The command line: ``graphbuild export | status | explain | graph | targets | sweep |
+cache ...``.
 
 One module per command group (``export``, ``status`` with ``explain``, ``graph`` with
-``targets``, ``cache``); this module assembles them into one Typer application. Library code
+``targets``, ``sweep``, ``cache``); this module assembles them into one Typer application. Library code
 raises typed errors and :mod:`graphbuild.cli.errors` alone turns them into messages and exit
 codes. ``--json`` on every command prints exactly one JSON document to stdout, errors included.
 Torch and the export machinery are imported only by the commands that need them, so
@@ -14,7 +15,7 @@ import os
 
 import typer
 
-from graphbuild.cli import cache, export, graph, status
+from graphbuild.cli import cache, export, graph, status, sweep
 from graphbuild.cli.output import debug_enabled, human_size, parse_age, parse_size
 from graphbuild.cli.progress import Progress
 
@@ -32,6 +33,7 @@ app.command()(status.status)
 app.command()(status.explain)
 app.command()(graph.graph)
 app.command()(graph.targets)
+app.command()(sweep.sweep)
 app.add_typer(cache.cache_app, name="cache")
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "SetOpt",
     "TargetOpt",
     "build_request",
+    "cli_overrides",
     "load_cli_config",
     "open_cache",
     "quiet_torch",
@@ -119,14 +120,9 @@ def load_cli_config(
     """The config file with command-line flags applied over it; paths given on the command
     line are relative to the working directory, those in the file to the file's directory."""
     cwd = Path.cwd()
-    overrides: list[Any] = list(sets or [])
-    if model is not None:
-        overrides.append(("model", absolute_spec(model, cwd)))
-    for key, value in (("target", target), ("format", format), ("model_name", name)):
-        if value is not None:
-            overrides.append((key, value))
-    if output_dir is not None:
-        overrides.append(("output_dir", str((cwd / output_dir.expanduser()).resolve())))
+    overrides = cli_overrides(
+        cwd, target=target, format=format, model=model, output_dir=output_dir, name=name, sets=sets
+    )
     cfg = load_config(config, cwd, overrides, required=required)
     if cfg.dropped:
         typer.echo(
@@ -140,6 +136,28 @@ def load_cli_config(
             err=True,
         )
     return cfg
+
+
+def cli_overrides(
+    cwd: Path,
+    *,
+    target: str | None = None,
+    format: str | None = None,
+    model: str | None = None,
+    output_dir: Path | None = None,
+    name: str | None = None,
+    sets: Sequence[str] | None = None,
+) -> list[Any]:
+    """The config overrides the flags make (``--set`` pairs first, then the flags)."""
+    overrides: list[Any] = list(sets or [])
+    if model is not None:
+        overrides.append(("model", absolute_spec(model, cwd)))
+    for key, value in (("target", target), ("format", format), ("model_name", name)):
+        if value is not None:
+            overrides.append((key, value))
+    if output_dir is not None:
+        overrides.append(("output_dir", str((cwd / output_dir.expanduser()).resolve())))
+    return overrides
 
 
 def absolute_spec(spec: str, cwd: Path) -> str:
@@ -190,12 +208,15 @@ def open_cache(
         return None
     shared = resolve_cache_url(url, cfg)
     readonly = readonly or (cfg is not None and cfg.cache_readonly)
-    return Cache(
+    cache = Cache(
         resolve_cache_path(cache_dir, cfg),
         readonly=readonly and not shared,
         url=shared,
         remote_readonly=readonly,
     )
+    if cfg is not None and cfg.cache_lease_seconds is not None:
+        cache.lease_seconds = float(cfg.cache_lease_seconds)
+    return cache
 
 
 def build_request(

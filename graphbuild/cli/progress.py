@@ -66,6 +66,9 @@ class Progress:
         if kind == "loaded":
             self._spin(f"loaded {event.stage} from the cache")
             return
+        if kind == "waiting":  # another process holds the lease on this stage's key
+            self._spin(f"[bold]{event.stage}[/] waiting…{_escape(f' ({event.reason})')}")
+            return
         if self.quiet or kind not in _STYLES:
             return
         if kind == "skipped":

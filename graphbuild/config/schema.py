@@ -28,11 +28,22 @@ _TOP: dict[str, OptionType] = {
     "cache": _TABLE,
     "quantization": _TABLE,
     "options": _TABLE,
+    "sweep": _TABLE,  # read by `graphbuild sweep` (graphbuild.sweeps), which checks it
 }
 _QUANTIZATION: dict[str, OptionType] = {"preset": STR, "quantizer": STR}
 # [cache]: dir (as cache_dir), url (a shared cache: redis://host:port/db), readonly (read the
-# shared cache, or the directory when no url is given, and never write it)
-_CACHE: dict[str, OptionType] = {"dir": STR, "url": STR, "readonly": BOOL}
+# shared cache, or the directory when no url is given, and never write it), lease_seconds (how
+# long a process that died while building a key keeps others from building it)
+_SECONDS = OptionType(
+    "a positive number of seconds",
+    lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+)
+_CACHE: dict[str, OptionType] = {
+    "dir": STR,
+    "url": STR,
+    "readonly": BOOL,
+    "lease_seconds": _SECONDS,
+}
 _TABLES: dict[str, dict[str, OptionType]] = {"quantization": _QUANTIZATION, "cache": _CACHE}
 
 

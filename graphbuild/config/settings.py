@@ -52,7 +52,8 @@ class Config:
     ``options`` holds the configured target's options, those given at the top level of the
     file (``Target.top_level_options``) included. ``dropped`` names the file's keys that
     belonged to its model (``samples``, ``calibration``, ``model_name``) and were left out
-    because the command line named another model."""
+    because the command line named another model. ``sweep`` is the file's ``[sweep]`` table
+    as written (``graphbuild sweep`` reads it)."""
 
     root: Path
     source: Path | None = None
@@ -66,12 +67,14 @@ class Config:
     cache_dir: Path | None = None
     cache_url: str | None = None
     cache_readonly: bool = False
+    cache_lease_seconds: float | None = None
     preset: str | None = None
     quantizer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()
     #: keys the command line set (``--set`` and flags), as the table spells them
     overridden: frozenset[str] = frozenset()
+    sweep: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def run_id(self) -> str:
@@ -92,6 +95,11 @@ class Config:
 
     def load_model(self) -> tuple[Any, Any, list[Any] | None]:
         """Import and call the model factory: ``(model, sample_inputs, calibration)``."""
+        model, samples = self.load_model_and_samples()
+        return model, samples, self.load_calibration()
+
+    def load_model_and_samples(self) -> tuple[Any, Any]:
+        """Import and call the model factory: ``(model, sample_inputs)``."""
         import torch
 
         if not self.model:
@@ -126,6 +134,10 @@ class Config:
                 f"model factory {self.model!r} returned only a module; return "
                 '(module, sample_inputs) or set samples = "file.py:fn"'
             )
+        return model, samples
+
+    def load_calibration(self) -> list[Any] | None:
+        """The calibration batches the config names (None when it names none)."""
         calibration = None
         if self.calibration:
             calibration = self._value(self.calibration, "calibration")
@@ -137,7 +149,7 @@ class Config:
                     "list of batches (each a tuple of positional inputs or a tensor)"
                 )
             calibration = list(calibration)
-        return model, samples, calibration
+        return calibration
 
     def _value(self, spec: str, key: str) -> Any:
         obj = _resolve(spec, self.root, key)
@@ -341,10 +353,12 @@ def _build(
         cache_dir=_path(root, cache_dir) if cache_dir else None,
         cache_url=cache.get("url") or None,
         cache_readonly=cache.get("readonly", False),
+        cache_lease_seconds=cache.get("lease_seconds"),
         preset=quant.get("preset"),
         quantizer=quant.get("quantizer"),
         options=options,
         dropped=dropped,
+        sweep=dict(table.get("sweep", {})),
     )
 
 

@@ -46,11 +46,15 @@ __all__ = [
     "reusing_across_runs",
 ]
 
-# re-entrant: a remembered tensor freed while the lock is held (the garbage collector runs
-# on any allocation) calls _forget from the same thread
+# re-entrant as well: nothing that runs while it is held (a collection freeing remembered
+# tensors included) can wait on it from the same thread
 _lock = threading.RLock()
 _entries: dict[int, tuple[Any, Any, tuple, str, int]] = {}  # id -> (ref, storage ref, token,
 # digest, run)
+# Tensors gone since the last locked access, as (id, dead weak reference). Their callbacks
+# only append here: a callback runs wherever the last reference goes, the garbage collector
+# inside any allocation included, possibly while this module holds ``_lock``.
+_dead: list[tuple[int, Any]] = []
 _run = 0
 _in_run = False
 _across_runs = False
@@ -100,6 +104,7 @@ def _token(t: torch.Tensor) -> tuple:
 def lookup(t: torch.Tensor) -> str | None:
     """The digest remembered for ``t`` if its token is unchanged and reuse is allowed."""
     with _lock:
+        _purge()
         entry = _entries.get(id(t))
         run, in_run = _run, _in_run
     if entry is None:
@@ -116,6 +121,7 @@ def reusable() -> list[tuple[torch.Tensor, str]]:
     """Every (tensor, digest) that :func:`lookup` would answer now: what check mode
     verifies before a run starts."""
     with _lock:
+        _purge()
         refs = [(entry[0], entry[3]) for entry in _entries.values()]
     out = []
     for ref, digest in refs:
@@ -134,12 +140,20 @@ def remember(t: torch.Tensor, digest: str) -> None:
         storage_ref = weakref.ref(storage)
     except TypeError:  # not weakly referenceable: nothing is remembered
         return
+    token = _token(t)
     with _lock:
-        _entries[key] = (ref, storage_ref, _token(t), digest, _run)
+        _purge()
+        _entries[key] = (ref, storage_ref, token, digest, _run)
 
 
 def _forget(key: int, dead: Any) -> None:
-    with _lock:
+    _dead.append((key, dead))  # never waits on _lock (see _dead)
+
+
+def _purge() -> None:
+    """Drop the entries of tensors gone (with ``_lock`` held)."""
+    while _dead:
+        key, dead = _dead.pop()
         entry = _entries.get(key)
         if entry is not None and entry[0] is dead:
             del _entries[key]
@@ -148,3 +162,4 @@ def _forget(key: int, dead: Any) -> None:
 def clear() -> None:
     with _lock:
         _entries.clear()
+        _dead.clear()

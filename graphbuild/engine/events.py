@@ -21,6 +21,7 @@ class EventKind(enum.Enum):
     CUTOFF = "cutoff"
     RAN = "ran"
     LOADED = "loaded"
+    WAITING = "waiting"  # another process holds the lease on this key: its entry is awaited
     FAILED = "failed"
     SKIPPED = "skipped"
 

@@ -89,6 +89,7 @@ class Keys:
         context: Mapping[str, Any],
         cache: Cache | None,
         run_id: str,
+        facets: InputFacets | None = None,
     ):
         self.pipeline = pipeline
         self.input = pipeline_input
@@ -97,7 +98,9 @@ class Keys:
         self.cache = cache
         self.run_id = run_id
         self.order = pipeline.order()
-        self.facets = InputFacets(pipeline_input, samples)
+        # ``facets``: readings of this input and samples shared with other runs over the very
+        # same objects, which their owner promises not to change (a sweep's builds)
+        self.facets = facets if facets is not None else InputFacets(pipeline_input, samples)
         source_memo.use(cache)  # what a closure parses is kept there for the next process
         self.toolchain = toolchain_versions()
         self._codec_versions: dict[str, str] = {}

@@ -19,12 +19,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import networkx as nx
+
 from graphbuild.engine import digest_memo, source_memo
 from graphbuild.engine.checking import check_mode
 from graphbuild.engine.codecs import encode
 from graphbuild.engine.events import Change, EventKind, RunReport, StageEvent, StageRecord
 from graphbuild.engine.explain import explain_changes, stale_reason
-from graphbuild.engine.fingerprint import verify_reused_digests
+from graphbuild.engine.fingerprint import InputFacets, verify_reused_digests
 from graphbuild.engine.guard import InputToken, StageContext, check_inputs, input_tokens
 from graphbuild.engine.keying import Keys, plan_reads
 from graphbuild.engine.status import StageStatus
@@ -35,10 +37,12 @@ from graphbuild.errors import (
     FingerprintMismatchError,
     GraphbuildError,
     InputMutationError,
+    KeyMismatchError,
     StageError,
 )
 
 if TYPE_CHECKING:
+    from graphbuild.cache.leases import Lease
     from graphbuild.engine.pipeline import Pipeline, Stage
 
 __all__ = [
@@ -71,6 +75,9 @@ class _Run(Keys):
         listeners: Iterable[Callable[[StageEvent], None]],
         run_id: str,
         check: Iterable[str] | bool = (),
+        targets: Iterable[str] | None = None,
+        expect_keys: Mapping[str, str] | None = None,
+        facets: InputFacets | None = None,
     ):
         order = pipeline.order()
         self.force_all = force is True
@@ -79,7 +86,17 @@ class _Run(Keys):
         if unknown:
             raise KeyError(f"cannot force unknown stage(s): {', '.join(sorted(unknown))}")
         self.check = set(order) if check is True else set(check or ()) & set(order)
-        super().__init__(pipeline, pipeline_input, samples, context, cache, run_id)
+        super().__init__(pipeline, pipeline_input, samples, context, cache, run_id, facets)
+        # ``targets``: these stages and what they need, nothing else. What they need is
+        # read, not built for the user: its hits are not counted nor recorded for explain
+        self.targets = set(targets) if targets is not None else None
+        if self.targets is not None:
+            wanted = set(self.targets)
+            for name in list(wanted):
+                pipeline._stage(name)
+                wanted |= nx.ancestors(pipeline.graph, name)
+            self.order = [n for n in self.order if n in wanted]
+        self.expect_keys = dict(expect_keys or {})
         self.listeners = list(listeners)
         self.writer = CacheWriter(cache) if cache is not None else None
         self.ran_order: list[str] = []
@@ -116,17 +133,20 @@ class _Run(Keys):
                 continue
             key = self.compute_key(name)
             st.record.key = key
+            self._check_expected(name, key)
             if self.cache is not None and key is not None and not self._forced(name):
-                manifest = self.cache.lookup(key)
+                manifest = self.cache.lookup(key, count=self._targeted(name))
                 stale = self.stale_codecs(manifest) if manifest is not None else []
                 if manifest is not None and not stale:
                     self._hit(name, manifest)
                     if name in self.check:
                         self._check_hit(name)
                     continue
-                if stale:
-                    self._execute(name, reason=stale_reason(stale))
+                lease = self._claim(name, key)
+                if lease is None:  # another process built it while this run waited
                     continue
+                self._execute(name, reason=stale_reason(stale) if stale else None, lease=lease)
+                continue
             self._execute(name)
         return RunReport(
             self.run_id,
@@ -142,6 +162,55 @@ class _Run(Keys):
 
     def _forced(self, name: str) -> bool:
         return self.force_all or name in self.force
+
+    def _targeted(self, name: str) -> bool:
+        """Whether the run builds ``name`` for its caller (not only as an input of one)."""
+        return self.targets is None or name in self.targets
+
+    def _check_expected(self, name: str, key: str | None) -> None:
+        expected = self.expect_keys.get(name)
+        if expected is not None and key != expected:
+            raise KeyMismatchError(
+                f"stage '{name}' has key {key or '(uncacheable)'} in this process but "
+                f"{expected} where it was planned: this process does not build the same "
+                "model, samples, options or code (an unseeded model factory, a value read "
+                "from the environment, another checkout?); `graphbuild explain` in each "
+                "shows what differs"
+            )
+
+    def _claim(self, name: str, key: str) -> Lease | None:
+        """The lease on building ``key``, or, while another process holds it, wait for its
+        entry: the Lease to build under, or None once the entry appeared (then a hit). A
+        holder that dies stops renewing; its lease expires and this run takes it over."""
+        assert self.cache is not None
+        waited_for: str | None = None
+        pause = 0.02
+        while True:
+            lease = self.cache.try_lease(key)
+            if lease is not None:
+                manifest = self.cache.lookup(key, count=False)  # written while we asked
+                if manifest is None or self.stale_codecs(manifest):
+                    return lease
+                lease.release()
+            else:
+                holder = self.cache.lease_holder(key) or "another process"
+                if waited_for is None:
+                    waited_for = holder
+                    self.emit(
+                        StageEvent(EventKind.WAITING, name, key, reason=f"{holder} is building it")
+                    )
+                time.sleep(pause)
+                pause = min(pause * 1.5, 0.25)
+                manifest = self.cache.lookup(key, count=False)
+                if manifest is None or self.stale_codecs(manifest):
+                    continue
+            manifest = self.cache.lookup(key)
+            if manifest is None:
+                continue  # removed again meanwhile (pruned): try once more
+            self._hit(name, manifest)
+            if waited_for is not None:
+                self.states[name].record.reason = f"built by {waited_for} while this run waited"
+            return None
 
     def _check_hit(self, name: str) -> None:
         """Check mode: recompute a hit and fail loudly if its output differs from the cached
@@ -232,7 +301,16 @@ class _Run(Keys):
             return self.input
         return tuple(self.load(d) for d in deps)
 
-    def _execute(self, name: str, reason: str | None = None) -> None:
+    def _execute(self, name: str, reason: str | None = None, lease: Lease | None = None) -> None:
+        try:
+            stored = self._execute_stage(name, reason, lease)
+        finally:
+            if lease is not None and not stored:
+                lease.release()
+
+    def _execute_stage(self, name: str, reason: str | None, lease: Lease | None) -> bool:
+        """Run stage ``name``; True when its output was handed to the cache writer (which
+        then releases ``lease`` once the entry is written)."""
         st = self.states[name]
         stage = self.pipeline._stage(name)
         rec = st.record
@@ -240,7 +318,7 @@ class _Run(Keys):
             inputs = self._inputs(name)
         except StageError:
             rec.status, rec.reason = StageStatus.SKIPPED, "an upstream rebuild failed"
-            return
+            return False
         old_upstream = list(st.upstream)
         key = self.compute_key(name)
         if st.upstream != old_upstream:
@@ -265,17 +343,22 @@ class _Run(Keys):
                 self.stopped = name
             self.failure = StageError(name, err, tuple(self.ran_order))
             self.emit(StageEvent(EventKind.FAILED, name, key, rec.seconds, rec.reason, err))
-            return
+            return False
         rec.seconds = time.perf_counter() - t0
         st.value, st.has_value = value, True
         rec.digest, rec.bytes, rec.status = encoded.digest, encoded.size, StageStatus.RAN
         self.ran_order.append(name)
+        stored = False
         if self.cache is not None:
             self.cache.count_miss()
             if key is not None:
-                self.writer.submit(key, encoded, self._manifest_record(name, encoded))
+                record = self._manifest_record(name, encoded)
+                after = lease.release if lease is not None else None
+                self.writer.submit(key, encoded, record, after)  # type: ignore[union-attr]
+                stored = True
         self._remember(name)
         self.emit(StageEvent(EventKind.RAN, name, key, rec.seconds, rec.reason))
+        return stored
 
     def _snapshots(self, name: str, inputs: Any, ctx: StageContext) -> list[InputToken]:
         deps = self.pipeline.dependencies(name)
@@ -311,7 +394,7 @@ class _Run(Keys):
         }
 
     def _remember(self, name: str) -> None:
-        if self.cache is None:
+        if self.cache is None or not self._targeted(name):
             return
         last = self.last(name)
         rec = self.states[name].record
@@ -402,13 +485,34 @@ def run_pipeline(
     run_id: str = "pipeline",
     check: Iterable[str] | bool = (),
     background_writes: bool = False,
+    targets: Iterable[str] | None = None,
+    expect_keys: Mapping[str, str] | None = None,
+    facets: InputFacets | None = None,
 ) -> RunResult:
     """Run ``pipeline``; raises :class:`StageError` (with ``.report``) when a stage fails.
     Stages named in ``check`` (or all, with True) are recomputed even on a hit and must
     reproduce the cached output. Outputs are stored in the cache on a background thread;
     unless ``background_writes``, the call returns once they are stored (with it, the
-    caller overlaps its own work and then calls ``RunResult.wait_for_cache``)."""
-    run = _Run(pipeline, pipeline_input, samples, context, cache, force, listeners, run_id, check)
+    caller overlaps its own work and then calls ``RunResult.wait_for_cache``).
+
+    ``targets``: build only these stages and what they need. ``expect_keys``: the key each
+    named stage must have here (a stage planned by another process), else
+    :class:`KeyMismatchError` before anything runs. ``facets``: readings of this input and
+    samples to share with other runs over the same, unchanging objects."""
+    run = _Run(
+        pipeline,
+        pipeline_input,
+        samples,
+        context,
+        cache,
+        force,
+        listeners,
+        run_id,
+        check,
+        targets,
+        expect_keys,
+        facets,
+    )
     digest_memo.begin_run()  # a tensor is hashed once in the run; earlier digests: see there
     try:
         with check_mode(bool(run.check)), _collecting_what_the_run_allocates():

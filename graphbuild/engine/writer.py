@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,22 +27,33 @@ class CacheWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def submit(self, key: str, encoded: Any, record: dict[str, Any]) -> None:
+    def submit(
+        self,
+        key: str,
+        encoded: Any,
+        record: dict[str, Any],
+        after: Callable[[], None] | None = None,
+    ) -> None:
+        """Store ``encoded`` under ``key``; then call ``after`` (whatever happened: it
+        releases the lease on the key, which waiters in other processes watch)."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._work, name="graphbuild-cache-writer", daemon=True
             )
             self._thread.start()
-        self._queue.put((key, encoded, record))
+        self._queue.put((key, encoded, record, after))
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue  # after a failure, nothing more is stored
+            key, encoded, record, after = item
             try:
-                self.cache.store(*item)
+                if self._error is None:  # after a failure, nothing more is stored
+                    self.cache.store(key, encoded, record)
             except BaseException as err:  # surfaced by finish(), in the caller's thread
                 self._error = err
+            finally:
+                if after is not None:
+                    after()
 
     def finish(self) -> None:
         thread, self._thread = self._thread, None

@@ -13,6 +13,7 @@ starts a fresh one. The index directory and database are created with the umask'
 permissions, so a group-shared cache stays writable by the group. A cache whose index this
 process cannot write is read through :class:`ReadOnlyDiskIndex` (SQLite's read-only mode).
 SQLite errors leave this module as ``OSError`` (:class:`~graphbuild.cache.base.StoreUnavailable`).
+Leases (``lease:<name>`` rows naming their owner) expire through diskcache's own expiry.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import re
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,6 +37,7 @@ from graphbuild.cache.local.fs import Dir
 
 _VALUE_FILE = re.compile(r"([0-9a-f]{2})/([0-9a-f]{2})/([0-9a-f]{28}\.val)")
 DB_NAME = "cache.db"
+LEASE = "lease:"  # index rows of leases (in-flight deduplication), with an expiry
 _SIDE_FILES = (DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm", f"{DB_NAME}-journal")
 _SETTINGS = {
     **DEFAULT_SETTINGS,
@@ -276,6 +279,35 @@ class DiskIndex:
     def clear(self) -> None:
         self._db.clear(retry=True)
 
+    # Leases are rows with diskcache's expiry: ``add`` inserts only when no unexpired row is
+    # there, in one SQLite transaction, so of two processes asking at once one gets it.
+
+    @_sqlite_errors
+    def acquire_lease(self, name: str, owner: str, seconds: float) -> bool:
+        return bool(self._db.add(LEASE + name, lease_row(owner), expire=seconds, retry=True))
+
+    @_sqlite_errors
+    def renew_lease(self, name: str, owner: str, seconds: float) -> bool:
+        with self._db.transact(retry=True):
+            if lease_owner(self._db.get(LEASE + name, retry=True)) != owner:
+                return False
+            self._db.set(LEASE + name, lease_row(owner), expire=seconds, retry=True)
+        return True
+
+    @_sqlite_errors
+    def release_lease(self, name: str, owner: str) -> bool:
+        with self._db.transact(retry=True):
+            if lease_owner(self._db.get(LEASE + name, retry=True)) != owner:
+                return False
+            self._db.delete(LEASE + name, retry=True)
+        return True
+
+    def lease_holder(self, name: str) -> str | None:
+        try:
+            return lease_owner(self._db.get(LEASE + name, retry=True))
+        except (PickleRefused, ValueError, OSError, sqlite3.Error):
+            return None
+
     def close(self) -> None:
         self._db.close()
 
@@ -353,8 +385,44 @@ class ReadOnlyDiskIndex:
     def clear(self) -> None:
         raise read_only_error(str(self.directory))
 
+    def acquire_lease(self, name: str, owner: str, seconds: float) -> bool:
+        raise read_only_error(str(self.directory))
+
+    def renew_lease(self, name: str, owner: str, seconds: float) -> bool:
+        raise read_only_error(str(self.directory))
+
+    def release_lease(self, name: str, owner: str) -> bool:
+        raise read_only_error(str(self.directory))
+
+    def lease_holder(self, name: str) -> str | None:
+        try:
+            row = self._conn.execute(
+                "SELECT expire_time, mode, value FROM Cache WHERE key = ? AND raw = 1",
+                (LEASE + name,),
+            ).fetchone()
+        except sqlite3.Error:
+            return None
+        if row is None or row[1] != MODE_RAW or (row[0] is not None and row[0] <= time.time()):
+            return None
+        return lease_owner(row[2])
+
     def close(self) -> None:
         self._conn.close()
+
+
+def lease_row(owner: str) -> str:
+    """A lease's row: a JSON object, like every other row, naming its owner."""
+    return json.dumps({"owner": owner})
+
+
+def lease_owner(text: Any) -> str | None:
+    """The owner a lease row names; None for no row or one that is not a lease."""
+    try:
+        row = json_object(LEASE, text)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    owner = row.get("owner") if row else None
+    return owner if isinstance(owner, str) else None
 
 
 def json_object(key: str, text: Any) -> dict[str, Any] | None:

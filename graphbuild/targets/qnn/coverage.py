@@ -12,11 +12,13 @@ a range below a few steps of the smallest scale (the values collapse onto a few 
 a random-init network whose activations vanish) or one so wide no grid resolves ordinary
 values (a ``finfo.min`` attention mask). And it names the tensors in the pattern of a known
 defect of QNN's HTP backend (:mod:`graphbuild.targets.qnn.htp_defects`), with the reason and
-the test that reproduces it.
+the test that reproduces it. ``weight_bytes`` is the weights' size as the device stores
+them (an encoded weight at its bits).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Mapping
@@ -32,6 +34,11 @@ from graphbuild.targets.qnn.aten_view import UNSUPPORTED
 from graphbuild.targets.qnn.htp import CONFIG_NAME, GraphView, OpNode, Plan, TensorRule, plan
 from graphbuild.targets.qnn.htp_defects import find_htp_defects
 from graphbuild.targets.qnn.onnx_view import onnx_view
+from graphbuild.targets.qnn.overrides import (
+    apply_layer_overrides,
+    onnx_tensor_modules,
+    parse_layer_overrides,
+)
 
 __all__ = ["check_coverage", "coverage_report", "summary_line"]
 
@@ -49,14 +56,23 @@ def coverage_report(
     left_float: Mapping[str, str] | None = None,
     preset: str | None = None,
     collapsed: Mapping[str, Any] | None = None,
+    overrides: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The report for one export. ``model`` is the lowered model (either format), ``names``
     qid -> the tensor each quantizer annotates, ``bits`` the preset's (weight, activation)
     bits (None: the model brought its own quantizers; settings are then not compared) and
     ``left_float`` the tensors calibration left float (name -> why), ``collapsed`` the
-    activations whose calibrated range collapsed (name -> [min, max])."""
+    activations whose calibrated range collapsed (name -> [min, max]), ``overrides`` the
+    preset's ``layer_overrides``: what it was asked to do instead of the HTP rules is what
+    the report expects, and lists as overridden."""
     view = onnx_view(model)
     rules = plan(view, *(bits or (8, 16)))
+    overridden: dict[str, str] = {}
+    if overrides and bits is not None:  # what the preset was asked to do instead
+        rules, floated, changed = apply_layer_overrides(
+            rules, onnx_tensor_modules(model, view), parse_layer_overrides(overrides), bits
+        )
+        overridden = {**floated, **changed}
     encoded = _encoded(qmap, names)
     expected = rules.quantized()
     left_float = dict(left_float or {})
@@ -90,11 +106,13 @@ def coverage_report(
         "quantized": len(expected) - len(floats) - len(mismatched),
         "float": sorted(floats, key=lambda e: e["tensor"]),
         "mismatched": sorted(mismatched, key=lambda e: e["tensor"]),
+        "overridden": [{"tensor": t, "override": overridden[t]} for t in sorted(overridden)],
         "extra": sorted(extra, key=lambda e: e["tensor"]),
         "degenerate": _degenerate(qmap, names, values, collapsed or {}),
         "htp_defects": find_htp_defects(
             model, {t: s.bits for t, s in encoded.items() if s.param is None}
         ),
+        "weight_bytes": _weight_bytes(model, encoded),
     }
     report["summary"] = summary_line(report)
     return report
@@ -128,6 +146,8 @@ def summary_line(report: Mapping[str, Any]) -> str:
             line += ", ..."
     if report.get("mismatched"):
         line += f"; {len(report['mismatched'])} with other settings than HTP's"
+    if report.get("overridden"):
+        line += f"; {len(report['overridden'])} as layer_overrides asked"
     if report.get("extra"):
         line += f"; {len(report['extra'])} quantized where HTP keeps float"
     if report.get("degenerate"):
@@ -140,6 +160,28 @@ def summary_line(report: Mapping[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------- details
+
+
+_FLOAT_BYTES = {
+    onnx.TensorProto.FLOAT: 4,
+    onnx.TensorProto.FLOAT16: 2,
+    onnx.TensorProto.BFLOAT16: 2,
+    onnx.TensorProto.DOUBLE: 8,
+}
+
+
+def _weight_bytes(model: onnx.ModelProto, encoded: Mapping[str, QuantSpec]) -> int:
+    """The float initializers' size as the device stores them: an encoded one at its bits,
+    the rest as they are (what a sweep compares its variants' sizes by)."""
+    total = 0.0
+    for init in model.graph.initializer:
+        size = _FLOAT_BYTES.get(init.data_type)
+        if size is None:
+            continue
+        numel = int(np.prod(init.dims)) if len(init.dims) else 1
+        spec = encoded.get(init.name)
+        total += numel * (spec.bits / 8 if spec is not None and spec.param is not None else size)
+    return int(math.ceil(total))
 
 
 def _encoded(qmap: QuantMap, names: Mapping[int, str]) -> dict[str, QuantSpec]:

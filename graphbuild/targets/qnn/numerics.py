@@ -113,13 +113,17 @@ def compare_outputs(
     *,
     reinsert: bool,
     names: Mapping[int, str] | None = None,
+    float_reference: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Per output: max abs error, SQNR and error in output quantization steps, end to end,
     and (where the reference holds quantized tensors) with them forced to torch's values;
     per quantized tensor, the largest error in steps under forcing. With ``reinsert``, Q/DQ
     are put back into the float model from the encodings document alone before running it
     (the ``onnx`` format's contract). ``names`` (qid -> ONNX tensor) places the reference's
-    quantized tensors (``tensor:<qid>``) in the model."""
+    quantized tensors (``tensor:<qid>``) in the model. With ``float_reference`` (the float
+    model's outputs, when ``reference`` is the quantized program) each output also has
+    ``max_abs_error_vs_float`` and ``sqnr_db_vs_float``: what quantizing cost, which a
+    sweep over presets compares; ``reference`` says what the plain figures measure against."""
     from graphbuild.targets.qnn.encodings import insert_fake_quant, read_encodings
 
     model = materialize(bound)
@@ -135,19 +139,30 @@ def compare_outputs(
     names = [o.name for o in model.graph.output]
     producer = {o: n for n in model.graph.node for o in n.output}
     steps = [_output_step(producer, name, table) for name in names]
+    floats = [t for _, t in sorted((float_reference or {}).items())]
+    if floats and len(floats) != len(refs):
+        floats = []  # another set of outputs than the program's: nothing to compare
     outputs = []
-    for ref, got, name, step in zip(refs, run_onnx(model, args), names, steps, strict=True):
+    results = run_onnx(model, args)
+    for i, (ref, got, name, step) in enumerate(zip(refs, results, names, steps, strict=True)):
         errors = output_errors(ref.numpy(), got)
         err = errors["max_abs_error"]
-        outputs.append(
-            {
-                "name": name,
-                **errors,
-                "output_step": step,
-                "max_error_steps": err / step if step else None,
-            }
-        )
-    report: dict[str, Any] = {"outputs": outputs, "encodings_reinserted": reinsert}
+        row = {
+            "name": name,
+            **errors,
+            "output_step": step,
+            "max_error_steps": err / step if step else None,
+        }
+        if floats:
+            vs_float = output_errors(floats[i].numpy(), got)
+            row.update({f"{k}_vs_float": v for k, v in vs_float.items()})
+        outputs.append(row)
+    against = "quantized program" if float_reference is not None else "torch model"
+    report: dict[str, Any] = {
+        "reference": against,
+        "outputs": outputs,
+        "encodings_reinserted": reinsert,
+    }
     if internal:
         report["forced"] = _forced_check(model, table, internal, refs, args, outputs)
     return report

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -51,6 +51,9 @@ class QnnOnnxOptions:
     extremes, constant ``range_averaging``), ``percentile`` (``range_percentile`` and its
     mirror, from a histogram) or ``mse`` (least expected quantization error, AIMET's
     TF-enhanced). Weights always take their min/max.
+
+    ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``, ``"a8"``, ``"w4a16"``...)
+    changes what a preset does in the matched modules (:mod:`graphbuild.targets.qnn.overrides`).
     """
 
     opset: int = 21
@@ -72,6 +75,7 @@ class QnnOnnxOptions:
     range_method: str = DEFAULT_RANGE_METHOD
     range_percentile: float = 99.99
     range_averaging: float = 0.01
+    layer_overrides: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -85,6 +89,8 @@ class QnnOnnxOptions:
             _check_names(key, getattr(self, key))
         range_config(self.range_method, self.range_percentile, self.range_averaging)
         check_calibration(self.calibration)
+        if self.layer_overrides:
+            _check_layer_overrides(self.layer_overrides, self.quantizer)
         self.htp_targets()  # a ConfigError now, not when a stage runs
 
     def htp_targets(self) -> tuple[HtpTarget, ...]:
@@ -107,6 +113,8 @@ class QnnOnnxOptions:
         for key in ("input_names", "output_names", "htp_arch", "soc_model"):
             if ctx[key] is not None and not isinstance(ctx[key], (str, int)):
                 ctx[key] = list(ctx[key])
+        overrides = self.layer_overrides
+        ctx["layer_overrides"] = dict(sorted(overrides.items())) if overrides else None
         # derived keys: what a stage reads, no more (a preset change keeps the placement;
         # a percentile change keeps the statistics)
         ctx["range"] = range_config(self.range_method, self.range_percentile, self.range_averaging)
@@ -127,6 +135,19 @@ def _placement(quantizer: Any) -> Any:
 def presets_placed_as(placement: str) -> tuple[str, ...]:
     """The built-in presets that share ``placement``, in :data:`PRESETS` order."""
     return tuple(p for p in PRESETS if PRESET_PLACEMENTS.get(p) == placement)
+
+
+def _check_layer_overrides(overrides: Mapping[str, str], quantizer: Any) -> None:
+    """Each entry must parse, and overrides apply to a QNN preset only."""
+    from graphbuild.targets.qnn.overrides import parse_layer_overrides
+
+    parse_layer_overrides(overrides)
+    preset = quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
+    if preset not in PRESETS:
+        raise ConfigError(
+            "layer_overrides change what a QNN preset does in some modules: set a preset "
+            f"({', '.join(PRESETS)}) as the quantizer, not {quantizer!r}"
+        )
 
 
 def _check_names(key: str, names: Sequence[str] | None) -> None:
@@ -184,4 +205,8 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "range_method": STR,
     "range_percentile": FLOAT,
     "range_averaging": FLOAT,
+    "layer_overrides": OptionType(
+        "a table of module pattern = setting ('float', 'w4', 'a8', 'w4a16', ...)",
+        lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+    ),
 }

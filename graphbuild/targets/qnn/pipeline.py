@@ -44,15 +44,17 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     from graphbuild.targets.qnn.preset import (  # registers the presets too
         is_preset_quantizer,
         lpbq_block_scale_bits,
+        with_layer_overrides,
     )
 
     (captured,) = inputs
     state = host_state(context.input)
     calibration = context["calibration"] or []
+    quantizer = with_layer_overrides(context["quantizer"], context["layer_overrides"])
     result = quantize_pt2e(
         captured.program,
         state,
-        context["quantizer"],
+        quantizer,
         calibration,
         as_args(samples),
         drop_non_finite=True,
@@ -285,6 +287,7 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
         qmap.get("left_float"),
         preset,
         qmap.get("degenerate"),
+        context["layer_overrides"],
     )
     for entry in report["degenerate"]:
         warnings.warn(
@@ -317,23 +320,41 @@ def reference_with_tensors(inputs: tuple, samples: Any, context: Any) -> dict:
 
 def check_numerics_float(inputs: tuple, samples: Any, context: Any) -> dict:
     """``onnx``: put Q/DQ back from the ``.encodings`` file alone, run it in onnxruntime on
-    the sample inputs, and compare with the quantized torch model."""
+    the sample inputs, and compare with the quantized torch model (and, after a quantize
+    stage, with the float model)."""
     from graphbuild.targets.qnn.numerics import compare_outputs
 
-    bound, enc_file, reference, (_, names) = inputs
+    bound, enc_file, reference, (_, names), *floats = inputs
     doc = json.loads(enc_file.data)
     qids = {int(q): n for q, n in names.items()}
-    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=True, names=qids)
+    return compare_outputs(
+        bound,
+        doc,
+        reference,
+        as_args(samples),
+        reinsert=True,
+        names=qids,
+        float_reference=floats[0] if floats else None,
+    )
 
 
 def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
-    """``onnx_qdq``: run the Q/DQ model as written and compare with the torch model."""
+    """``onnx_qdq``: run the Q/DQ model as written and compare with the torch model (and,
+    after a quantize stage, with the float model)."""
     from graphbuild.targets.qnn.numerics import compare_outputs
 
-    bound, enc_file, reference, (_, names) = inputs
+    bound, enc_file, reference, (_, names), *floats = inputs
     doc = json.loads(enc_file.data)
     qids = {int(q): n for q, n in names.items()}
-    return compare_outputs(bound, doc, reference, as_args(samples), reinsert=False, names=qids)
+    return compare_outputs(
+        bound,
+        doc,
+        reference,
+        as_args(samples),
+        reinsert=False,
+        names=qids,
+        float_reference=floats[0] if floats else None,
+    )
 
 
 # --------------------------------------------------------------------------- wiring
@@ -359,7 +380,9 @@ def build_qnn_pipeline(
     p = Pipeline(name=f"{request.target}/{request.format}")
     cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
     quantized = opts.quantizer is not None
-    split = quantized and (_splits(opts.quantizer) if split is None else split)
+    # layer_overrides change where quantizers sit: PT2E in one stage
+    default_split = _splits(opts.quantizer) and not opts.layer_overrides
+    split = quantized and (default_split if split is None else split)
     if split:
         from graphbuild.targets.qnn import quantization
 
@@ -400,20 +423,21 @@ def build_qnn_pipeline(
     enc_reads = ("ctx.encodings_version", "ctx.model_name", "ctx.int32_bias", "ctx.quantizer")
     if split:
         enc = p.register_stage(quantization.encodings, "encodings", reads=(*enc_reads, "ctx.range"))
-        cov = p.register_stage(
-            quantization.coverage, "coverage", reads=("ctx.quantizer", "ctx.strict_coverage")
-        ).depends_on(lower, qmap, qp, parts["placement"], parts["weight_stats"], parts["calibrate"])
+        cov = p.register_stage(quantization.coverage, "coverage", reads=COVERAGE_READS).depends_on(
+            lower, qmap, qp, parts["placement"], parts["weight_stats"], parts["calibrate"]
+        )
     else:
         enc = p.register_stage(encodings, "encodings", reads=enc_reads)
-        cov = p.register_stage(
-            coverage, "coverage", reads=("ctx.quantizer", "ctx.strict_coverage")
-        ).depends_on(lower, qmap, qp)
+        cov = p.register_stage(coverage, "coverage", reads=COVERAGE_READS).depends_on(
+            lower, qmap, qp
+        )
     enc.depends_on(qmap, qp, lower)
     p.reports["coverage"] = cov.name
     p.products = [bound.name, enc.name]
     p.output_files = frozenset({f"{request.model_name}.encodings"})
     ref = None
     if opts.check_numerics:
+        floats = []
         if split:
             ref = p.register_stage(
                 quantization.reference, "reference", reads=("input.state", "samples")
@@ -423,14 +447,22 @@ def build_qnn_pipeline(
             ref.depends_on(source)
         else:
             ref = p.register_stage(reference_from_model, "reference", reads=("input", "samples"))
+        if quantized:  # what quantizing cost: the float model's outputs
+            floats.append(
+                p.register_stage(
+                    reference_from_model, "float_reference", reads=("input", "samples")
+                )
+            )
         check = check_numerics_float if fmt == "onnx" else check_numerics_qdq
         check_stage = p.register_stage(check, "check_numerics", reads=("samples",))
-        check_stage.depends_on(bound, enc, ref, lower)
+        check_stage.depends_on(bound, enc, ref, lower, *floats)
         p.reports["numerics"] = "check_numerics"
     if opts.check_htp or fmt == "context":
         from graphbuild.targets.qnn.htp_stages import add_htp_stages
 
-        if ref is None or opts.quantizer is not None:  # SQNR against the float model
+        if "float_reference" in p:  # the numerics check's
+            ref = p.get_stage("float_reference")
+        elif ref is None or opts.quantizer is not None:  # SQNR against the float model
             ref = p.register_stage(
                 reference_from_model, "float_reference", reads=("input", "samples")
             )
@@ -447,6 +479,10 @@ def build_qnn_pipeline(
     return p
 
 
+#: what the coverage report reads of the options
+COVERAGE_READS = ("ctx.quantizer", "ctx.strict_coverage", "ctx.layer_overrides")
+
+
 def _splits(quantizer: Any) -> bool:
     """Whether ``quantizer`` is one of graphbuild's own presets (by name, unless a user
     registered another under it, or as a ``QnnQuantizer``): those quantize in three parts."""
@@ -459,6 +495,7 @@ def _splits(quantizer: Any) -> bool:
         preset is not None
         and type(quantizer) is preset.QnnQuantizer
         and quantizer.preset in PRESET_PLACEMENTS
+        and not getattr(quantizer, "layer_overrides", None)
     )
 
 
@@ -474,6 +511,7 @@ def _wire_normalize(p: Pipeline, cap: Any, quantized: bool) -> tuple:
             reads=(
                 "input.state",
                 "ctx.quantizer",
+                "ctx.layer_overrides",
                 "registry.quantizer_presets",
                 "ctx.calibration",
                 "samples.spec",

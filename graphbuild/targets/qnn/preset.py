@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -37,6 +38,11 @@ from graphbuild.targets.qnn.aten_view import AtenView, aten_view
 from graphbuild.targets.qnn.htp import Plan, TensorRule, plan
 from graphbuild.targets.qnn.lpbq_weights import SCALE_BITS, lpbq_spec, takes_lpbq
 from graphbuild.targets.qnn.observers import quantization_spec
+from graphbuild.targets.qnn.overrides import (
+    apply_layer_overrides,
+    parse_layer_overrides,
+    tensor_modules,
+)
 from graphbuild.targets.qnn.rewrite import rewrite_for_htp
 
 __all__ = [
@@ -48,6 +54,7 @@ __all__ = [
     "observer_rules",
     "preset_bits",
     "weight_spec",
+    "with_layer_overrides",
 ]
 
 _ANNOTATION_KEY = "quantization_annotation"
@@ -96,14 +103,23 @@ def activation_spec(bits: int):
 
 
 class QnnQuantizer(Quantizer):
-    """torchao PT2E quantizer with QNN presets: ``w8a8``, ``w8a16``, ``w4a16``, ``w4a16_lpbq``."""
+    """torchao PT2E quantizer with QNN presets: ``w8a8``, ``w8a16``, ``w4a16``, ``w4a16_lpbq``.
 
-    def __init__(self, preset: str = "w8a8") -> None:
+    ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``, ``"a8"``, ...: see
+    :mod:`~graphbuild.targets.qnn.overrides`) is a hook applied after the HTP rules: it
+    changes the bits of, or removes, the quantizers the rules placed in the matched modules
+    (the coverage report applies the same hook to the rules it expects)."""
+
+    def __init__(self, preset: str = "w8a8", layer_overrides: Any = None) -> None:
         self.weight_bits, self.activation_bits = preset_bits(preset)
         self.preset = preset
+        self.layer_overrides = parse_layer_overrides(layer_overrides)
         self.lpbq = preset in _LPBQ_PRESETS
 
     def __repr__(self) -> str:
+        if self.layer_overrides:
+            shown = {p: s.text for p, s in sorted(self.layer_overrides.items())}
+            return f"QnnQuantizer(preset={self.preset!r}, layer_overrides={shown!r})"
         return f"QnnQuantizer(preset={self.preset!r})"
 
     def transform_before_prepare(self, model: GraphModule) -> GraphModule:
@@ -119,7 +135,15 @@ class QnnQuantizer(Quantizer):
     def plan(self, model: GraphModule) -> tuple[AtenView, Plan]:
         """The HTP rule of every float tensor of ``model`` (after the rewrite)."""
         view = aten_view(model)
-        return view, plan(view.view, self.weight_bits, self.activation_bits)
+        rules = plan(view.view, self.weight_bits, self.activation_bits)
+        if self.layer_overrides:
+            rules, _, _ = apply_layer_overrides(
+                rules,
+                tensor_modules(view),
+                self.layer_overrides,
+                (self.weight_bits, self.activation_bits),
+            )
+        return view, rules
 
     def annotate(self, model: GraphModule) -> GraphModule:
         """Attach one quantizer to every tensor the HTP rules quantize. What was placed where
@@ -185,6 +209,7 @@ class _Annotator:
         axis = self._axis(tensor) if rule.per_channel else None
         if (
             self.lpbq
+            and rule.bits == 4  # LPBQ weights are int4 (a layer override to w8 is not LPBQ)
             and axis is not None
             and takes_lpbq(self._shape(tensor), axis)
             and not self._biased(tensor)
@@ -246,6 +271,17 @@ class _Annotator:
         for reader in readers[1:]:
             self.inputs[reader][node] = SharedQuantizationSpec(first)
         self.anchors.setdefault(tensor, first)
+
+
+def with_layer_overrides(quantizer: Any, overrides: Any) -> Any:
+    """``quantizer`` (a preset name or a QnnQuantizer) with ``layer_overrides`` applied;
+    as it is when there are none."""
+    if not overrides:
+        return quantizer
+    preset = quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
+    if preset not in _PRESET_BITS:
+        raise ConfigError(f"layer_overrides apply to a QNN preset, not to {quantizer!r}")
+    return QnnQuantizer(preset, overrides)
 
 
 def lpbq_block_scale_bits(quantizer: object) -> int | None:

@@ -1,0 +1,116 @@
+"""Per-layer overrides of a QNN preset: other bit-widths, or float, for the modules a pattern
+matches; the encodings carry them, the coverage report expects them, and a bit-width override
+changes values only (the ONNX exporter is cut off)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import graphbuild as gb
+from examples import tiny_decoder
+from graphbuild.errors import ConfigError, StageError
+from graphbuild.targets.qnn.overrides import parse_layer_overrides
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return gb.Cache(tmp_path_factory.mktemp("cache"))
+
+
+def export(tmp_path, cache, overrides, preset="w8a16", events=None):
+    model, samples = tiny_decoder.build()
+    return gb.export(
+        model,
+        samples,
+        tmp_path,
+        "decoder",
+        options=gb.QnnOnnxOptions(
+            quantizer=preset,
+            calibration=tiny_decoder.calibration(),
+            check_numerics=True,
+            layer_overrides=overrides,
+        ),
+        cache=cache,
+        listeners=[events.append] if events is not None else (),
+    )
+
+
+def encodings(art) -> tuple[dict[str, int], dict[str, int]]:
+    doc = json.loads(art.files["encodings"].read_text())
+    params = {e["name"]: e["bw"] for e in doc["param_encodings"]}
+    acts = {e["name"]: e["bw"] for e in doc["activation_encodings"]}
+    return params, acts
+
+
+def test_a_float_override_leaves_the_modules_tensors_float(tmp_path, cache):
+    art = export(tmp_path, cache, {"lm_head": "float"})
+
+    params, acts = encodings(art)
+    assert "lm_head.weight" not in params and "output" not in acts
+    assert any(name.startswith("blocks.0.mlp") for name in params)  # the rest as before
+    coverage = art.report.extra["coverage"]
+    assert {e["tensor"] for e in coverage["overridden"]} == {"lm_head.weight", "output"}
+    assert "lm_head.weight" not in {e["tensor"] for e in coverage["float"]}
+    assert art.report.extra["numerics"]["outputs"][0]["sqnr_db"] > 30
+
+
+def test_bit_width_overrides_change_the_matched_weights_and_activations_only(tmp_path, cache):
+    base_params, base_acts = encodings(export(tmp_path / "base", cache, None))
+    art = export(tmp_path / "w4", cache, {"blocks.*.mlp.*": "w4", "blocks.1.attn.*": "a8"})
+
+    params, acts = encodings(art)
+    mlp = {n: b for n, b in params.items() if ".mlp." in n}
+    assert len(mlp) == 6 and set(mlp.values()) == {4}
+    assert {n: b for n, b in params.items() if n not in mlp} == {
+        n: b for n, b in base_params.items() if n not in mlp
+    }  # the attention's weights, norms and constants as before
+    assert acts.keys() == base_acts.keys()
+    changed = {n for n in acts if acts[n] != base_acts[n]}
+    assert changed and {acts[n] for n in changed} == {8}
+    assert {n for n in acts if acts[n] == 16} == set(acts) - changed
+    overridden = {e["tensor"] for e in art.report.extra["coverage"]["overridden"]}
+    assert overridden == set(mlp) | changed
+
+
+def test_a_bit_width_override_reruns_values_and_cuts_off_the_onnx_exporter(tmp_path, cache):
+    export(tmp_path, cache, None)
+    events: list = []
+
+    report = export(tmp_path, cache, {"blocks.0.mlp.*": "w4"}, events=events).report
+
+    assert report.statuses["capture"] == "hit"
+    assert report.statuses["quantize"] == "ran"
+    assert report.statuses["to_onnx"] in ("hit", "cutoff")
+
+
+def test_two_patterns_with_different_settings_for_one_tensor_are_an_error(tmp_path, cache):
+    with pytest.raises(StageError) as err:
+        export(tmp_path, cache, {"blocks.0.*": "w4", "blocks.0.mlp.*": "float"})
+
+    assert isinstance(err.value.cause, ConfigError)
+    assert "'blocks.0.*'" in str(err.value) and "'blocks.0.mlp.*'" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [("w3", "4 or 8 bits"), ("a4", "8 or 16 bits"), ("half", "expected 'float'"), (8, "string")],
+)
+def test_a_setting_that_is_not_one_is_a_config_error(setting, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_layer_overrides({"lm_head": setting})
+
+
+def test_overrides_need_a_preset():
+    with pytest.raises(ConfigError, match="set a preset"):
+        gb.QnnOnnxOptions(layer_overrides={"lm_head": "float"})
+
+
+def test_presets_and_combined_settings_parse():
+    parsed = parse_layer_overrides({"a": "w4a16", "b": "A8", "c": "float", "d": "w8a8"})
+
+    assert (parsed["a"].weight_bits, parsed["a"].activation_bits) == (4, 16)
+    assert (parsed["b"].weight_bits, parsed["b"].activation_bits) == (None, 8)
+    assert parsed["c"].float
+    assert parsed["d"].weight_bits == 8
