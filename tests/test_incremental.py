@@ -273,3 +273,17 @@ def test_the_cache_holds_every_output_when_export_returns(tmp_path):
     export(m, tmp_path / "out", tmp_path / "cache")
     art = export(m, tmp_path / "other", gb.Cache(tmp_path / "cache"))  # another Cache object
     assert art.report.ran == []
+
+
+def test_the_cache_keeps_the_digest_of_bound_weights_not_their_bytes(tmp_path):
+    m = model()
+    first = export(m, tmp_path / "out", tmp_path / "cache")
+    cache = gb.Cache(tmp_path / "cache")
+    bound = cache.lookup(first.report["bind"].key)
+    assert bound["bytes"] == 0 and bound["artifact"]["digest"] == first.report["bind"].digest
+    tensors = bound["artifact"]["parts"][1:]  # the skeleton, then one part per tensor
+    assert len(tensors) > 3 and not any(cache.blobs.has(d, s) for d, s in tensors)
+    bind_module._Memo.clear()  # as in a new process
+    again = export(m, tmp_path / "other", cache)
+    assert again.report.ran == [] and again.report["bind"].status == "hit"
+    assert files(tmp_path / "other") == files(tmp_path / "out")

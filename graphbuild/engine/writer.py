@@ -26,20 +26,23 @@ class CacheWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def submit(self, key: str, encoded: Any, record: dict[str, Any]) -> None:
+    def submit(
+        self, key: str, encoded: Any, record: dict[str, Any], *, keep_bytes: bool = True
+    ) -> None:
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._work, name="graphbuild-cache-writer", daemon=True
             )
             self._thread.start()
-        self._queue.put((key, encoded, record))
+        self._queue.put((key, encoded, record, keep_bytes))
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             if self._error is not None:
                 continue  # after a failure, nothing more is stored
+            key, encoded, record, keep_bytes = item
             try:
-                self.cache.store(*item)
+                self.cache.store(key, encoded, record, keep_bytes)
             except BaseException as err:  # surfaced by finish(), in the caller's thread
                 self._error = err
 

@@ -354,8 +354,11 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     else:
         weights = p.register_stage(weight_digests, "weight_digests", reads=("input.state",))
         weights.depends_on(lower)
-        bound = p.register_stage(
-            bind_model_weights, "bind", reads=(UNKEYED_INPUT, "ctx.fake_quantize_weights")
+        bound = p.register_stage(  # the model holds the weights: the cache keeps a digest
+            bind_model_weights,
+            "bind",
+            reads=(UNKEYED_INPUT, "ctx.fake_quantize_weights"),
+            rematerialize=True,
         ).depends_on(lower, qmap, bind_values, weights)
     enc = p.register_stage(
         encodings,
