@@ -202,16 +202,22 @@ def test_the_file_system_type_is_the_one_stat_reports(tmp_path):
     assert found == int(shown.stdout.strip(), 16)
 
 
-def test_a_large_file_is_written_back_as_it_is_written(tmp_path, monkeypatch):
-    """The closing fsync then waits for the tail only: each range is asked for once, in
-    order, as soon as the threshold's worth of bytes is written."""
-    asked: list[tuple[int, int]] = []
-    monkeypatch.setattr(save_module, "start_writeback", lambda fd, off, n: asked.append((off, n)))
-    monkeypatch.setattr(save_module, "_WRITEBACK_BYTES", 64)
-    (saved,) = write_model(mixed_bound_model(), tmp_path / "m.onnx", external_data=False)
-    assert len(asked) > 2 and asked[0][0] == 0 and all(n >= 64 for _, n in asked)
-    assert all(a + n == b for (a, n), (b, _) in zip(asked, asked[1:], strict=False))
-    assert asked[-1][0] + asked[-1][1] <= saved.size
+def test_a_large_file_is_streamed_to_disk_as_it_is_written(tmp_path, monkeypatch):
+    """Each range goes to the disk once written, in order, and the one before it is released
+    from the page cache; the bytes are those of a file written at once."""
+    handed: list[tuple[int, int]] = []
+    released: list[tuple[int, int]] = []
+    monkeypatch.setattr(filesystem, "start_writeback", lambda fd, a, n: handed.append((a, n)))
+    monkeypatch.setattr(filesystem, "release", lambda fd, a, n: released.append((a, n)))
+    monkeypatch.setattr(save_module, "_STREAM_BYTES", 64)
+    bound = mixed_bound_model()
+    (saved,) = write_model(bound, tmp_path / "a" / "m.onnx", external_data=False)
+    assert len(handed) > 2 and handed[0][0] == 0 and all(n >= 64 for _, n in handed)
+    assert all(a + n == b for (a, n), (b, _) in zip(handed, handed[1:], strict=False))
+    assert released == handed[:-1]  # the latest range stays until the next one is written
+    monkeypatch.setattr(save_module, "_STREAM_BYTES", 1 << 62)
+    (whole,) = write_model(bound, tmp_path / "b" / "m.onnx", external_data=False)
+    assert saved.path.read_bytes() == whole.path.read_bytes()
 
 
 # --------------------------------------------------------------------------- bind

@@ -14,9 +14,10 @@ the tensor, which is in memory: every tensor is written. The file is byte for by
 write gives, and nothing unverified reaches it (DESIGN.md, invariant 8). :func:`write_segments`
 does the same for a file of another format (:class:`SegmentedFile`: a GGUF file, say).
 
-Each file is fsynced once, before it is renamed into place; the kernel is asked to write its
-bytes back as they are written (:func:`~graphbuild.onnx.filesystem.start_writeback`), so the
-fsync waits for the tail rather than the whole file.
+Each file is fsynced once, before it is renamed into place. A large one is streamed to disk as
+it is written (:class:`~graphbuild.onnx.filesystem.Streamer`): its ranges go to the disk as they
+are written and leave the page cache once there, so writing it reuses a few ranges' worth of
+memory and the fsync finds only the tail to write.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from graphbuild.onnx.bind import (
     is_reference,
     iter_references,
 )
-from graphbuild.onnx.filesystem import shares_blocks, start_writeback
+from graphbuild.onnx.filesystem import Streamer, shares_blocks
 
 EXTERNAL_DATA_THRESHOLD = 2**31
 """Above this many tensor bytes :func:`save_model` writes external data (protobuf's limit)."""
@@ -52,8 +53,8 @@ _PAGE_ALIGNMENT = 4096
 map it, and a file system with shared extents can clone it whole when the file is rebuilt."""
 _PAGE_ALIGNED_BYTES = 64 << 10
 _READ_CHUNK = 8 << 20
-_WRITEBACK_BYTES = 32 << 20
-"""The writer asks the kernel to write back each time this many bytes are written."""
+_STREAM_BYTES = 32 << 20
+"""The writer hands the file to the disk in ranges of this many bytes (:class:`Streamer`)."""
 _MODEL_GRAPH = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
 _GRAPH_INITIALIZER = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
 _TENSOR_RAW_DATA = onnx.TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
@@ -392,7 +393,7 @@ class _FileWriter:
         self.sources = sources
         self.hasher = Hasher()
         self.pos = 0
-        self._written_back = 0
+        self._stream = Streamer(f.fileno(), _STREAM_BYTES)
         self.ranges: list[TensorRange] = []
         self.copied = 0
         self._buffer: bytearray | None = None
@@ -422,10 +423,9 @@ class _FileWriter:
         self._write_back()
 
     def _write_back(self) -> None:
-        if self.pos - self._written_back >= _WRITEBACK_BYTES:
+        if self._stream.due(self.pos):
             self.f.flush()
-            start_writeback(self.f.fileno(), self._written_back, self.pos - self._written_back)
-            self._written_back = self.pos
+            self._stream.written(self.pos)
 
     def _copy(self, source: tuple[int, int], length: int, digest: str) -> bool:
         """Copy ``length`` bytes from the source range to the current position, then read them
