@@ -24,7 +24,21 @@ The ratio cold / baseline (target <= 1.15) is what graphbuild's bookkeeping cost
 export. ``--profile`` runs one more warm export under pyinstrument and prints
 where the time outside the floor goes.
 
-    python bench/bench_cli.py [--repeat 5] [--json] [--profile]
+And start-up, best of N each (interleaved): ``graphbuild --help``, ``graphbuild cache stats``
+and ``graphbuild cache path`` in fresh processes (target < 0.5 s: they import neither torch
+nor onnx), beside ``python -c pass``. ``--compare DIR`` times the same commands from another
+checkout (``PYTHONPATH=DIR``), interleaved with this one: before and after a change in one
+run. ``--startup-only`` skips the exports.
+
+And graphbuild's own time in a warm export from a fresh process (the ``seconds`` of
+``export --json``: keys, lookups, placement; not Python, imports or building the model), for
+the tiny decoder and the tiny transformers Llama of ``examples/``, best of N, beside the same
+export run a second time in one process (target <= 0.3 s: a new process must not redo what
+the last one worked out, such as parsing the source files code closures reach); with
+``--compare DIR``, the other checkout's too. ``--warm-only`` measures these alone.
+
+    python bench/bench_cli.py [--repeat 5] [--json] [--profile] [--startup-only]
+        [--warm-only] [--compare DIR]
 """
 
 from __future__ import annotations
@@ -99,6 +113,120 @@ def _timed(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float, str]:
     return seconds, proc.stdout
 
 
+WARM_MODELS = {
+    "tiny_decoder": ROOT / "examples" / "tiny_decoder.py",
+    "tiny_llama": ROOT / "examples" / "tiny_llama.py",
+}
+WARM_OWN_TARGET = 0.3
+
+# The same export twice in one process: the second is the in-process warm figure.
+IN_PROCESS = """
+import contextlib, io, json, sys
+from graphbuild.cli.app import app
+def once():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            app(["export", "--config", sys.argv[1], "--json"], standalone_mode=False)
+        except SystemExit:
+            pass
+    return json.loads(out.getvalue())["seconds"]
+once()
+print(once())
+"""
+
+
+def warm_process_times(repeat: int, tmp: Path, trees: dict[str, Path]) -> dict[str, Any]:
+    """For each model and checkout: best of ``repeat`` of graphbuild's own seconds in a warm
+    export from a fresh process, every run's, and the in-process second export."""
+    out: dict[str, Any] = {}
+    for model, source in WARM_MODELS.items():
+        configs = {}
+        for tree_name, tree in trees.items():
+            where = tmp / f"warm-{model}-{tree_name}"
+            where.mkdir()
+            (where / "graphbuild.toml").write_text(
+                CONFIG.format(model=source, out=where / "out").replace(
+                    'model_name = "convnet"', f'model_name = "{model}"'
+                )
+            )
+            env = {**_env(where / "cache"), "PYTHONPATH": str(tree)}
+            cmd = [sys.executable, "-m", "graphbuild", "export", "--json"]
+            _timed(cmd, env, where)  # cold: fills the cache
+            configs[tree_name] = (cmd, env, where)
+        runs: dict[str, list[float]] = {name: [] for name in trees}
+        statuses: dict[str, set[str]] = {name: set() for name in trees}
+        for _ in range(repeat):
+            for tree_name, (cmd, env, where) in configs.items():
+                doc = json.loads(_timed(cmd, env, where)[1])
+                runs[tree_name].append(doc["seconds"])
+                statuses[tree_name] |= {s["status"] for s in doc["stages"]}
+        in_process = {
+            name: float(
+                _timed([sys.executable, "-c", IN_PROCESS, str(w / "graphbuild.toml")], e, w)[1]
+            )
+            for name, (_, e, w) in configs.items()
+        }
+        out[model] = {
+            name: {
+                "fresh_process_own_seconds": min(runs[name]),
+                "all": runs[name],
+                "in_process_own_seconds": in_process[name],
+                "all_hits": statuses[name] == {"hit"},
+                "pass": min(runs[name]) <= WARM_OWN_TARGET,
+            }
+            for name in trees
+        }
+    return out
+
+
+def print_warm_process(times: dict[str, Any], repeat: int) -> None:
+    print(f"graphbuild's own time, warm export (best of {repeat}; target <= {WARM_OWN_TARGET} s)")
+    for model, by_tree in times.items():
+        for tree_name, t in by_tree.items():
+            verdict = "PASS" if t["pass"] else "MISS"
+            hits = "all hit" if t["all_hits"] else "NOT all hits"
+            print(
+                f"  {model:<13} {tree_name:<7} fresh process {t['fresh_process_own_seconds']:6.3f} s"
+                f"  in process {t['in_process_own_seconds']:6.3f} s  {hits}  {verdict}"
+            )
+            print("                        all: " + ", ".join(f"{x:.3f}" for x in t["all"]))
+
+
+STARTUP_COMMANDS = (["--help"], ["cache", "stats"], ["cache", "path"])
+STARTUP_TARGET = 0.5
+
+
+def startup_times(
+    repeat: int, cache_dir: Path, cwd: Path, compare: Path | None
+) -> dict[str, dict[str, float]]:
+    """Best of ``repeat`` seconds of each start-up command in a fresh process, for this
+    checkout (``"this"``), ``python -c pass`` (``"python"``) and, with ``compare``, the
+    other checkout; interleaved so that drifting load hits them alike."""
+    trees = {"this": ROOT} | ({"compare": compare.resolve()} if compare else {})
+    best: dict[str, dict[str, float]] = {name: {} for name in [*trees, "python"]}
+    for _ in range(repeat):
+        for command in STARTUP_COMMANDS:
+            label = " ".join(command)
+            for name, tree in trees.items():
+                env = {**_env(cache_dir), "PYTHONPATH": str(tree)}
+                seconds = _timed([sys.executable, "-m", "graphbuild", *command], env, cwd)[0]
+                best[name][label] = min(seconds, best[name].get(label, float("inf")))
+        seconds = _timed([sys.executable, "-c", "pass"], _env(cache_dir), cwd)[0]
+        best["python"]["pass"] = min(seconds, best["python"].get("pass", float("inf")))
+    return best
+
+
+def print_startup(times: dict[str, dict[str, float]], compare: Path | None) -> None:
+    for label, seconds in times["this"].items():
+        line = f"start {label:<28} {seconds:7.3f} s"
+        if "compare" in times:
+            line += f"   ({compare}: {times['compare'][label]:.3f} s)"
+        verdict = "PASS" if seconds < STARTUP_TARGET else "MISS"
+        print(f"{line}   {verdict} (target < {STARTUP_TARGET} s)")
+    print(f"start python -c pass                 {times['python']['pass']:7.3f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each (best is kept)")
@@ -108,12 +236,43 @@ def main() -> None:
         action="store_true",
         help="one more warm export under pyinstrument; print its profile",
     )
+    parser.add_argument(
+        "--startup-only", action="store_true", help="time the start-up commands alone"
+    )
+    parser.add_argument(
+        "--warm-only", action="store_true", help="graphbuild's own warm-process time alone"
+    )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        help="another checkout whose start-up and warm-process time are measured alongside",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench_cli_") as tmp_name:
         tmp = Path(tmp_name)
         cache_dir, out_dir, work = tmp / "cache", tmp / "out", tmp / "work"
         work.mkdir()
+        trees = {"this": ROOT} | ({"compare": args.compare.resolve()} if args.compare else {})
+        if args.warm_only:
+            warm_own = warm_process_times(args.repeat, tmp, trees)
+            load = os.getloadavg()
+            if args.json:
+                print(json.dumps({"warm_process": warm_own, "loadavg": load}, indent=2))
+            else:
+                print(f"load {load[0]:.2f} {load[1]:.2f}")
+                print_warm_process(warm_own, args.repeat)
+            return
+        startup = startup_times(args.repeat, cache_dir, work, args.compare)
+        if args.startup_only:
+            load = os.getloadavg()
+            if args.json:
+                print(json.dumps({"startup": startup, "loadavg": load}, indent=2))
+            else:
+                print(f"best of {args.repeat}; load {load[0]:.2f}")
+                print_startup(startup, args.compare)
+            return
+        warm_own = warm_process_times(args.repeat, tmp, trees)
         config = tmp / "graphbuild.toml"
         config.write_text(CONFIG.format(model=MODEL_FILE, out=out_dir))
         env = _env(cache_dir)
@@ -170,6 +329,8 @@ def main() -> None:
             "floor_all": floor_times,
             "warm_statuses": statuses,
             "all_hits": set(statuses.values()) <= {"hit"},
+            "startup": startup,
+            "warm_process": warm_own,
             "loadavg": os.getloadavg(),
         }
         profile_text = None
@@ -217,8 +378,10 @@ def main() -> None:
     print(
         f"ratio warm / floor               {result['ratio']:7.3f}   {verdict} (target <= {TARGET})"
     )
+    print_startup(startup, args.compare)
     print("all warm runs:  " + ", ".join(f"{t:.3f}" for t in warm_times))
     print("all floor runs: " + ", ".join(f"{t:.3f}" for t in floor_times))
+    print_warm_process(warm_own, args.repeat)
     if profile_text:
         print(profile_text)
 

@@ -5,8 +5,8 @@ Exports are builds: a DAG of stages, each keyed by what it reads, run only when 
 
 from __future__ import annotations
 
-from graphbuild.engine.pipeline import Pipeline, Stage, StageRef
-from graphbuild.engine.store import Cache
+from typing import TYPE_CHECKING
+
 from graphbuild.errors import (
     ConfigError,
     ExportError,
@@ -16,6 +16,16 @@ from graphbuild.errors import (
     UnknownQuantizerError,
 )
 from graphbuild.version import __version__ as __version__
+
+if TYPE_CHECKING:
+    from graphbuild.api import ExportArtifacts, ExportRequest, export, export_with_pipeline
+    from graphbuild.engine.events import EventKind, RunReport, StageEvent
+    from graphbuild.engine.pipeline import Pipeline, Stage, StageRef
+    from graphbuild.engine.status import StageStatus
+    from graphbuild.engine.store import Cache
+    from graphbuild.targets.executorch import ExecuTorchOptions
+    from graphbuild.targets.qnn import QnnOnnxOptions
+    from graphbuild.targets.registry import PipelineRegistry, build_default_registry
 
 __all__ = [
     "Cache",
@@ -44,6 +54,10 @@ __all__ = [
 ]
 
 _LAZY = {
+    "Cache": "engine.store",
+    "Pipeline": "engine.pipeline",
+    "Stage": "engine.pipeline",
+    "StageRef": "engine.pipeline",
     "EventKind": "engine.events",
     "RunReport": "engine.events",
     "StageEvent": "engine.events",
@@ -61,8 +75,8 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    # torch, onnx and onnxscript take seconds to import: load what needs them on first use,
-    # so that `graphbuild --help` and `graphbuild cache ...` start at once.
+    # torch, onnx, onnxscript and networkx take seconds to import: load what needs them on
+    # first use, so that `graphbuild --help` and `graphbuild cache ...` start at once.
     if name in _LAZY:
         import importlib
 

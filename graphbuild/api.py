@@ -21,8 +21,9 @@ from graphbuild.engine.events import RunReport, StageEvent
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.plan import plan
 from graphbuild.engine.store import Cache
-from graphbuild.errors import ConfigError, ExportError
-from graphbuild.output.placement import LOCK_FILE, Placement, json_safe, place_outputs
+from graphbuild.errors import ArgumentTypeError, ConfigError, ExportError
+from graphbuild.output.directory import LOCK_FILE, check_output_directory
+from graphbuild.output.placement import Placement, json_safe, place_outputs
 from graphbuild.targets.registry import (
     DEFAULT_TARGET,
     PipelineFactory,
@@ -66,6 +67,41 @@ class ExportRequest:
             raise ExportError(
                 f"model name {self.model_name!r} must be a plain file name without a path "
                 "separator; put the directory in output_directory"
+            )
+
+    def check(self) -> None:
+        """Refuse, before any stage runs, arguments of the wrong type: an
+        :class:`ArgumentTypeError` naming the argument, not a bare ``TypeError`` from inside
+        a stage. The output directory and the cache are checked where they are opened."""
+        if not isinstance(self.output_directory, (str, os.PathLike)):
+            got = _kind(self.output_directory)
+            raise ArgumentTypeError(
+                f"output_directory must be a path (str or os.PathLike), got {got}"
+            )
+        builtin = self.pipeline_factory is None and find_target(self.target) is not None
+        if builtin and not isinstance(self.model, torch.nn.Module):
+            raise ArgumentTypeError(
+                f"the model must be a torch.nn.Module, got {_kind(self.model)}; pass the "
+                "module (model, not model.forward or a factory that builds it)"
+            )
+        if builtin and self.data is None:
+            raise ArgumentTypeError(
+                "the sample inputs (data) are None: give the positional inputs the model is "
+                "traced on, a tuple such as (torch.randn(1, 3, 224, 224),), or () for none"
+            )
+        options = self.target_options()
+        calibration = (
+            options.get("calibration")
+            if isinstance(options, Mapping)
+            else getattr(options, "calibration", None)
+        )
+        if calibration is not None and (
+            isinstance(calibration, (str, bytes, Mapping, torch.Tensor))
+            or not isinstance(calibration, Iterable)
+        ):
+            raise ArgumentTypeError(
+                f"calibration must be a list of batches (each a tuple of positional inputs or "
+                f"a tensor), got {_kind(calibration)}"
             )
 
     def target_options(self) -> Any:
@@ -121,6 +157,11 @@ def resolve_cache(cache: Cache | str | os.PathLike | bool | None) -> Cache | Non
         return Cache(url=default_cache_url())
     if isinstance(cache, str) and is_cache_url(cache):
         return Cache(url=cache)
+    if not isinstance(cache, (str, os.PathLike)):
+        raise ArgumentTypeError(
+            "cache must be a gb.Cache, a directory, a redis:// URL, None (the default "
+            f"location) or False (no cache), got {_kind(cache)}"
+        )
     return Cache(cache)
 
 
@@ -133,6 +174,8 @@ def build_pipeline(request: ExportRequest) -> Pipeline:
 
 def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
     """Build the export described by ``request`` and place its files."""
+    request.check()
+    check_output_directory(Path(request.output_directory), request.model_name)
     pipeline = build_pipeline(request)
     cache = resolve_cache(request.cache)
     listeners = list(request.listeners)
@@ -226,6 +269,7 @@ def export(
 
 def status(request: ExportRequest) -> RunReport:
     """What an export would run and why, without running anything."""
+    request.check()
     pipeline = build_pipeline(request)
     return plan(
         pipeline,
@@ -235,6 +279,15 @@ def status(request: ExportRequest) -> RunReport:
         cache=resolve_cache(request.cache),
         run_id=request.run_id(),
     )
+
+
+def _kind(value: Any) -> str:
+    """``int 7``, ``function build``: what a wrong argument was, for the message."""
+    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+    if callable(value) and isinstance(name, str):
+        return f"{type(value).__name__} {name}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def _print_event(event: StageEvent) -> None:

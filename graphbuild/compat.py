@@ -14,6 +14,8 @@ import contextlib
 import copy
 import functools
 import inspect
+import json
+import re
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -164,13 +166,57 @@ def serialize_program_graph(program: torch.export.ExportedProgram) -> bytes:
                 serialize_constants=False,
                 serialize_example_inputs=False,
             )
-            return artifact.exported_program
+            return _as_loaded(artifact.exported_program)
         real = serde.serialize_torch_artifact
         serde.serialize_torch_artifact = lambda *args, **kwargs: b""
         try:
-            return serde.serialize(program).exported_program
+            return _as_loaded(serde.serialize(program).exported_program)
         finally:
             serde.serialize_torch_artifact = real
+
+
+_OFFSET = re.compile(rb'"storage_offset": \{"as_int": -?\d+\}')
+_ZERO_OFFSET = b'"storage_offset": {"as_int": 0}'
+
+
+def _as_loaded(graph: bytes) -> bytes:
+    """The serialized graph as a load gives it back. torch's deserializer rebuilds each
+    tensor's metadata with ``empty_strided`` and drops its storage offset (a slice's ``val``
+    says 8 in the traced program, 0 once loaded), so a program computed in this process and
+    the same program loaded from the cache would serialize differently: the offset is written
+    as the loader reads it, 0, and a program digests the same computed or loaded."""
+    if not _loader_drops_storage_offset():
+        return graph
+    graph = _OFFSET.sub(_ZERO_OFFSET, graph)
+    if b'"storage_offset": {"as_expr"' not in graph:
+        return graph
+    doc = json.loads(graph)  # a symbolic offset (dynamic shapes): rewrite it in the document
+
+    def zero(node: Any) -> None:
+        if isinstance(node, dict):
+            if "storage_offset" in node:
+                node["storage_offset"] = {"as_int": 0}
+            for value in node.values():
+                zero(value)
+        elif isinstance(node, list):
+            for value in node:
+                zero(value)
+
+    zero(doc)
+    return json.dumps(doc).encode()
+
+
+@functools.cache
+def _loader_drops_storage_offset() -> bool:
+    """True when the installed torch's ``deserialize_tensor_meta`` does not read the storage
+    offset (read from its source; every supported release so far)."""
+    from torch._export.serde import serialize as serde
+
+    try:
+        source = inspect.getsource(serde.GraphModuleDeserializer.deserialize_tensor_meta)
+    except (OSError, TypeError, AttributeError):
+        return False
+    return "storage_offset" not in source
 
 
 @functools.cache

@@ -7,6 +7,11 @@ class GraphbuildError(Exception):
     """Base class of every error graphbuild raises on purpose."""
 
 
+class ReportedWarning(UserWarning):
+    """A warning the run's report also carries (coverage's degenerate ranges): the command
+    line prints it from the report, so it is not printed a second time as a warning."""
+
+
 class ConfigError(GraphbuildError):
     """Bad configuration or usage: a missing file, an unknown key, a wrong type."""
 
@@ -67,8 +72,12 @@ class StageError(GraphbuildError):
 
     def __init__(self, stage: str, cause: BaseException, ran_before: tuple[str, ...] = ()):
         self.stage, self.cause, self.ran_before = stage, cause, ran_before
-        before = f" (after: {', '.join(ran_before)})" if ran_before else ""
-        super().__init__(f"stage '{stage}' failed{before}: {type(cause).__name__}: {cause}")
+        super().__init__(self.describe(str(cause)))
+
+    def describe(self, reason: str) -> str:
+        """The message with ``reason`` for the cause's own (e.g. its first line only)."""
+        before = f" (after: {', '.join(self.ran_before)})" if self.ran_before else ""
+        return f"stage '{self.stage}' failed{before}: {type(self.cause).__name__}: {reason}"
 
 
 class CacheError(GraphbuildError):
@@ -77,6 +86,11 @@ class CacheError(GraphbuildError):
 
 class ExportError(GraphbuildError):
     """An export request that cannot be honoured (unknown target, bad model name...)."""
+
+
+class ArgumentTypeError(ExportError, TypeError):
+    """An argument of the Python API of the wrong type (``output_directory=7``): the message
+    names the argument, what it takes and what it got, before any stage runs."""
 
 
 class UnknownQuantizerError(ExportError):

@@ -170,3 +170,95 @@ class AimetQuantizeDequantize(nn.Module):
             _mask = (self.qmin <= x_round) & (x_round <= self.qmax)
         x_dequant = x_round.clamp_(self.qmin, self.qmax).add_(offset).mul_(scale)
         return x_dequant.to(tensor.dtype).view(tensor.shape)
+
+
+def _interleave(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
+    """aimet_torch.quantization._utils.interleave."""
+    return tuple(v for pair in zip(a, b, strict=True) for v in pair)
+
+
+def _concretize_block_size(
+    input_shape: Sequence[int], scale_shape: Sequence[int], block_size: Sequence[int]
+) -> tuple[int, ...]:
+    """aimet_torch.quantization._utils.concretize_block_size."""
+    input_shape = input_shape[-len(scale_shape) :]
+    block = [*(1 for _ in range(len(scale_shape) - len(block_size))), *block_size]
+    return tuple(
+        block[i] if block[i] != -1 else input_shape[i] // scale_shape[i]
+        for i in range(len(scale_shape))
+    )
+
+
+def _aimet_blocked_qdq(
+    tensor: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    qmin: int,
+    qmax: int,
+    block_size: Sequence[int],
+) -> torch.Tensor:
+    """aimet-torch's ``quantize_dequantize`` with a block size (``backends/torch_builtins.py``:
+    never torch's fake-quant fast path) and ``QuantDequantFunc._forward_impl``, float32."""
+    orig_shape = tensor.shape
+    block_size = _concretize_block_size(tensor.shape, scale.shape, block_size)
+    tensor = tensor.reshape(-1, *_interleave(scale.shape, block_size))
+    scale = scale.view(_interleave(scale.shape, [1] * scale.dim()))
+    offset = offset.view(_interleave(offset.shape, [1] * offset.dim()))
+    x_round = torch.round_(tensor.to(scale.dtype) / scale).sub_(offset)
+    if tensor.requires_grad or scale.requires_grad or offset.requires_grad:
+        _mask = (qmin <= x_round) & (x_round <= qmax)
+    x_dequant = x_round.clamp_(qmin, qmax).add_(offset).mul_(scale)
+    return x_dequant.to(tensor.dtype).view(orig_shape)
+
+
+class AimetGroupedBlockQuantizeDequantize(AimetQuantizeDequantize):
+    """aimet-torch 2.42's ``GroupedBlockQuantizeDequantize(shape, bitwidth, symmetric=True,
+    decompressed_bw, block_size=..., block_grouping=...)`` (``quantization/affine/
+    quantizer.py``), what ``set_grouped_blockwise_quantization_for_weights`` puts on a linear
+    layer: ``shape (out, in / B)``, ``block_size (1, B)``, ``block_grouping (1, -1)``. The
+    forward pass computes the raw block scales from ``min``/``max`` (``get_scale``), the
+    per-channel scale as their maximum over the channel's blocks ``/ 2^(decompressed_bw -
+    bitwidth)``, the LPBQ scale as the raw scales quantize-dequantized on that per-channel
+    scale over ``[1, 2^(decompressed_bw - bitwidth)]``, then the blocked weight QDQ."""
+
+    def __init__(
+        self,
+        shape: Sequence[int],
+        bitwidth: int,
+        decompressed_bw: int,
+        block_size: Sequence[int],
+        block_grouping: Sequence[int],
+    ):
+        super().__init__(shape, bitwidth, symmetric=True)
+        self.bitwidth, self.decompressed_bw = bitwidth, decompressed_bw
+        self.block_size, self.block_grouping = tuple(block_size), tuple(block_grouping)
+
+    def _per_channel_scale(self, raw: torch.Tensor) -> torch.Tensor:
+        shape = [
+            s // g if g != -1 else 1 for s, g in zip(raw.shape, self.block_grouping, strict=True)
+        ]
+        grouping = _concretize_block_size(raw.shape, shape, self.block_grouping)
+        reshaped = raw.reshape(*raw.shape[: raw.dim() - len(shape)], *_interleave(shape, grouping))
+        max_scale = torch.amax(reshaped, dim=tuple(range(1, reshaped.dim(), 2)))
+        return max_scale / 2 ** (self.decompressed_bw - self.bitwidth)
+
+    def lpbq_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_get_scale``: (the LPBQ block scale, the per-channel scale)."""
+        raw = AimetQuantizeDequantize.get_scale(self)
+        per_channel = self._per_channel_scale(raw)
+        lpbq = _aimet_blocked_qdq(
+            raw,
+            per_channel,
+            torch.zeros_like(per_channel),
+            1,
+            2 ** (self.decompressed_bw - self.bitwidth),
+            self.block_grouping,
+        )
+        return lpbq, per_channel
+
+    def get_scale(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.lpbq_scales()[0]
+
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        scale, offset = self.get_scale(), self.get_offset()  # get_encodings
+        return _aimet_blocked_qdq(tensor, scale, offset, self.qmin, self.qmax, self.block_size)

@@ -7,7 +7,9 @@ directory. Tests that need one skip, saying why, where ``redis-server`` (Debian'
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -42,13 +44,17 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    """``with RedisServer() as url:`` a fresh, empty server for the block."""
+    """``with RedisServer() as url:`` a fresh, empty server for the block; with ``password``,
+    one that refuses clients without it (the URL carries it). :meth:`pause` makes it a server
+    that accepts connections and never answers (the kernel still completes them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, password: str | None = None) -> None:
         self.binary = require_redis()
+        self.password = password
         self.proc: subprocess.Popen | None = None
         self.dir: Path | None = None
         self.url = ""
+        self.paused = False
 
     def __enter__(self) -> str:
         try:
@@ -72,11 +78,13 @@ class RedisServer:
                     "--appendonly", "no",
                     "--dir", str(self.dir),
                     "--protected-mode", "yes",
+                    *(["--requirepass", self.password] if self.password else []),
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )  # fmt: skip
-            self.url = f"redis://127.0.0.1:{port}/0"
+            auth = f":{self.password}@" if self.password else ""
+            self.url = f"redis://{auth}127.0.0.1:{port}/0"
             client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and self.proc.poll() is None:
@@ -90,8 +98,20 @@ class RedisServer:
             self._stop()
         raise RuntimeError("redis-server did not start")
 
+    def pause(self) -> None:
+        """Stop the server's process (SIGSTOP): connections are accepted, nothing answers."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        if self.proc is not None and self.paused:
+            os.kill(self.proc.pid, signal.SIGCONT)
+        self.paused = False
+
     def _stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.resume()
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)

@@ -22,7 +22,9 @@ from torch import nn
 
 import graphbuild as gb
 
-aimet_onnx = pytest.importorskip("aimet_onnx")
+aimet_onnx = pytest.importorskip(
+    "aimet_onnx", reason="the interop extra (aimet-onnx) is not installed"
+)
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 

@@ -817,7 +817,7 @@ def test_verify_on_a_read_only_cache_reports_without_repairing(warm):
             cwd=base,
             timeout=300,
         )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.returncode == 1, proc.stdout + proc.stderr  # it found corruption
         doc = json.loads(proc.stdout)
         assert len(doc["corrupt"]) >= 2  # the blob and the entry naming it
         assert doc["removed_blobs"] == doc["removed_entries"] == 0

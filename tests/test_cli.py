@@ -162,7 +162,7 @@ def test_plain_output_is_one_line_per_stage_and_a_summary(warm, cli):
         assert any(re.match(rf"{stage}\s+hit$", line) for line in lines), out
     assert re.search(rf"^0 ran, {len(STAGES)} hit, saved \d+\.\d s in \d+\.\d\d s$", out, re.M)
     assert "\x1b[" not in out and "✓" not in out
-    assert str(cli.project / "out" / "convnet.onnx") in out
+    assert "  onnx       out/convnet.onnx" in lines  # relative to the working directory
 
 
 def test_quiet_prints_only_the_files(warm, cli):
@@ -319,6 +319,38 @@ def test_explain_shows_each_changed_read_with_old_and_new_values(preset_change):
     assert "no stage named 'nosuch'" in preset_change.unknown["error"]["message"]
 
 
+@pytest.fixture(scope="module")
+def readme_loop(shared, warm) -> SimpleNamespace:
+    """The README's tuning loop under its own model name (so its last-run records are its
+    own): export, export w8a8, export encodings 2.0.0 (w8a16), then explain encodings."""
+    project = shared.root / "readme"
+    write_config(project, "w8a16")
+    name = ["--name", "tour"]
+    with environment(project, shared.cache):
+        invoke("export", *name)
+        invoke("export", *name, "--set", "quantization.preset=w8a8")
+        versioned = invoke_json("export", *name, "--set", "options.encodings_version=2.0.0")
+        explained = invoke("explain", "encodings", *name).stdout
+        doc = invoke_json("explain", "encodings", *name)
+    return SimpleNamespace(versioned=versioned, explained=explained, doc=doc)
+
+
+def test_explain_lists_the_more_reads_an_export_summarised(readme_loop):
+    encodings = next(s for s in readme_loop.versioned["stages"] if s["name"] == "encodings")
+    assert encodings["reason"] == "ctx.encodings_version: 1.0.0 -> 2.0.0 (+3 more)"
+    ran_because = readme_loop.explained.split("why that run ran:")[1].splitlines()[1:]
+    assert [line.split(":")[0].strip() for line in ran_because] == [
+        "ctx.encodings_version",
+        "ctx.quantizer",
+        "output of 'quant_map'",
+        "output of 'qparams'",
+    ]
+    assert "ctx.quantizer: w8a8 -> w8a16" in readme_loop.explained
+    (stage,) = readme_loop.doc["stages"]
+    assert stage["last_run"]["reason"] == encodings["reason"]
+    assert len(stage["last_run"]["changes"]) == 4
+
+
 # --------------------------------------------------------------------------- graph, targets
 
 
@@ -382,12 +414,19 @@ def test_cache_path_stats_ls_and_show(warm, cli, monkeypatch):
     manifest = invoke_json("cache", "show", capture["key"][:12])
     assert manifest["key"] == capture["key"] and manifest["stage"] == "capture"
     assert "input.structure" in manifest["reads"]
-    assert (
-        invoke("cache", "ls")
-        .stdout.strip()
-        .endswith(f"{len(entries)} entries, {human_size(sum(e['bytes'] for e in entries))}")
-    )
+    listed = sum(e["bytes"] for e in entries)
+    total = invoke("cache", "ls").stdout.strip().splitlines()[-1]
+    assert total.startswith(f"{len(entries)} entries, {human_size(listed)} of outputs")
     assert "no entry" in invoke_json("cache", "show", "zzzz", code=2)["error"]["message"]
+
+
+def test_cache_ls_total_agrees_with_stats_or_says_why(warm, cli):
+    listed = sum(e["bytes"] for e in invoke_json("cache", "ls")["entries"])
+    stored = invoke_json("cache", "stats")
+    total = invoke("cache", "ls").stdout.strip().splitlines()[-1]
+    assert listed != stored["bytes"]  # the ConvNet's stages share blobs
+    assert f"the cache holds {human_size(stored['bytes'])} in {stored['blobs']} blobs" in total
+    assert "stored once" in total
 
 
 @pytest.fixture
@@ -439,7 +478,7 @@ def test_cache_gc_removes_unreferenced_blobs_only(cache_copy):
 def test_cache_verify_finds_and_removes_a_corrupt_blob(cache_copy):
     blob = max((p for p in (cache_copy / "blobs").rglob("*") if p.is_file()), key=os.path.getsize)
     blob.write_bytes(b"\0" * blob.stat().st_size)
-    doc = invoke_json("cache", "verify", "--cache-dir", str(cache_copy))
+    doc = invoke_json("cache", "verify", "--cache-dir", str(cache_copy), code=1)
     assert doc["command"] == "verify" and doc["checked_blobs"] > 0
     assert any(c.startswith("blob ") for c in doc["corrupt"])
     assert doc["removed_blobs"] == 1 and doc["removed_entries"] >= 1

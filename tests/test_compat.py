@@ -244,6 +244,27 @@ def test_the_installed_torch_takes_the_current_branches() -> None:
         assert compat._dict_to_dataclass_is_known()
 
 
+class _Halves(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[..., 2:], x[..., :2]], -1)  # views at storage offset 2
+
+
+def test_a_loaded_program_serializes_to_the_bytes_it_was_loaded_from() -> None:
+    program = torch.export.export(_Halves(), (torch.randn(2, 4),))
+    graph = compat.serialize_program_graph(program)
+
+    loaded = compat.deserialize_program(graph, {}, {})
+
+    assert compat.serialize_program_graph(loaded) == graph
+
+
+def test_storage_offsets_are_written_as_they_are_where_the_loader_reads_them(monkeypatch) -> None:
+    monkeypatch.setattr(compat, "_loader_drops_storage_offset", lambda: False)
+    program = torch.export.export(_Halves(), (torch.randn(2, 4),))
+
+    assert b'"storage_offset": {"as_int": 2}' in compat.serialize_program_graph(program)
+
+
 def test_the_onnx_registry_is_built_once_per_opset_and_each_export_gets_its_own_copy() -> None:
     from torch.onnx._internal.exporter import _registration
 

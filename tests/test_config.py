@@ -267,8 +267,68 @@ def test_a_file_loads_under_one_stable_module_name_from_any_config(tmp_path):
     first = load_config(cwd=convnet_config(tmp_path / "a").parent).load_model()[0]
     second = load_config(cwd=convnet_config(tmp_path / "b").parent).load_model()[0]
     name = type(first).__module__
-    assert name == type(second).__module__ and name.startswith("graphbuild_user_convnet_")
+    assert name == type(second).__module__ == "examples.convnet"
     assert Path(sys.modules[name].__file__) == CONVNET
+
+
+def test_a_model_file_loads_as_the_module_a_python_import_gives(tmp_path):
+    from examples import convnet
+
+    model = load_config(cwd=convnet_config(tmp_path).parent).load_model()[0]
+
+    assert type(model) is convnet.ConvNet  # one module: the API and the CLI key alike
+
+
+CLONED_NET = """\
+    import torch
+
+
+    class ClonedNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+
+    def build():
+        return ClonedNet(), (torch.ones(1, 4),)
+    """
+
+
+def _fresh_process_imports(prefix: str) -> None:
+    """Forget modules as a new process would not have them."""
+    for name in [n for n in sys.modules if n == prefix or n.startswith(prefix + ".")]:
+        del sys.modules[name]
+
+
+def test_two_checkouts_of_a_project_give_its_model_one_module_name_and_structure_key(tmp_path):
+    from graphbuild.engine.fingerprint import structure_fingerprint
+
+    names, digests = [], []
+    for clone in (tmp_path / "alice" / "proj", tmp_path / "ci" / "builds" / "7" / "proj"):
+        write(clone / "gbclone_nets" / "__init__.py", "")
+        write(clone / "gbclone_nets" / "net.py", CLONED_NET)
+        write(clone / "graphbuild.toml", 'model = "gbclone_nets/net.py:build"\n')
+        _fresh_process_imports("gbclone_nets")
+        model = load_config(cwd=clone).load_model()[0]
+        names.append(type(model).__module__)
+        digests.append(structure_fingerprint(model).digest)
+
+    assert names == ["gbclone_nets.net", "gbclone_nets.net"]
+    assert digests[0] == digests[1]
+
+
+def test_a_file_whose_name_is_taken_loads_under_a_name_from_its_contents(tmp_path):
+    names = []
+    for clone in (tmp_path / "one", tmp_path / "two" / "deeper"):
+        write(clone / "json.py", CLONED_NET)  # the standard library's json is imported
+        write(clone / "graphbuild.toml", 'model = "json.py:build"\n')
+        names.append(type(load_config(cwd=clone).load_model()[0]).__module__)
+
+    assert names[0] == names[1] and names[0].startswith("graphbuild_user_json_")
+    assert sys.modules["json"].__file__ != str(tmp_path / "one" / "json.py")
 
 
 def test_module_factory_imports_from_the_config_directory(tmp_path):

@@ -41,15 +41,23 @@ class InfMask(nn.Module):
         return torch.softmax(x + torch.full((4, 4), float("-inf")).triu(1), dim=-1)
 
 
+class NormTanh(nn.Module):
+    """LayerNorm -> Mul -> Tanh (or a Tanh of the input alone): the pattern of QNN's 16-bit
+    Tanh defect (``tests/test_htp_forms.py`` reproduces it on the HTP)."""
+
+    def __init__(self, width: int = 32, norm: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width) if norm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(x) * 0.8 if self.norm is not None else x)
+
+
 def export(model, sample, out, **options) -> gb.ExportArtifacts:
     torch.manual_seed(0)
+    options = {"quantizer": "w8a8", "calibration": [sample], **options}
     return gb.export(
-        model.eval(),
-        sample,
-        out,
-        "model",
-        options=gb.QnnOnnxOptions(quantizer="w8a8", calibration=[sample], **options),
-        cache=False,
+        model.eval(), sample, out, "model", options=gb.QnnOnnxOptions(**options), cache=False
     )
 
 
@@ -90,6 +98,48 @@ def test_a_collapsed_activation_range_is_warned(tmp_path):
     assert entry["tensor"] == "mul" and abs(entry["max"]) < 1e-8
     assert "collapsed" in entry["why"] and "1 degenerate range" in report["summary"]
     assert any("'mul'" in str(w.message) and "collapsed" in str(w.message) for w in caught)
+
+
+def test_a_16_bit_tanh_over_16_rows_is_named_as_a_known_qnn_htp_defect(tmp_path):
+    """In the report, its summary line, a warning and the lock file: the tensor, why, and
+    the test that reproduces the defect on the HTP."""
+    sample = (torch.randn(1, 16, 32),)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = export(NormTanh(), sample, tmp_path, quantizer="w8a16").report.extra["coverage"]
+    (entry,) = report["htp_defects"]
+    assert (entry["tensor"], entry["op"], entry["shape"]) == ("output", "Tanh", [1, 16, 32])
+    assert "16 rows" in entry["reason"] and "QNN HTP defect" in entry["reason"]
+    assert entry["reproduction"].startswith(
+        "tests/test_htp_forms.py::test_tanh_after_layernorm_and_mul_agrees_with_the_cpu"
+    )
+    assert "1 in a known QNN HTP defect's pattern (16-bit Tanh over 16 rows)" in report["summary"]
+    assert report["float"] == [] and report["mismatched"] == []  # named, not a coverage gap
+    assert any("'output'" in str(w.message) and "16 rows" in str(w.message) for w in caught)
+    lock = json.loads((tmp_path / "graphbuild.lock.json").read_text())
+    assert lock["reports"]["coverage"]["htp_defects"] == report["htp_defects"]
+    from graphbuild.cli.export import _report_lines
+
+    summary, warning = _report_lines({"coverage": report})
+    assert summary == f"coverage   {report['summary']}"
+    assert warning.startswith("warning    'output': QNN HTP defect")
+    assert warning.endswith(f"reproduced by {entry['reproduction']}")
+
+
+@pytest.mark.parametrize(
+    ("shape", "preset", "norm"),
+    [
+        pytest.param((1, 32, 32), "w8a16", True, id="32-rows"),
+        pytest.param((2, 16, 32), "w8a16", True, id="2x16-rows"),
+        pytest.param((1, 16, 32), "w8a8", True, id="8-bit"),
+        pytest.param((1, 16, 32), "w8a16", False, id="of-a-graph-input"),
+    ],
+)
+def test_a_tanh_the_htp_computes_right_is_not_named(shape, preset, norm, tmp_path):
+    sample = (torch.randn(*shape),)
+    model = NormTanh(shape[-1], norm)
+    report = export(model, sample, tmp_path, quantizer=preset).report.extra["coverage"]
+    assert report["htp_defects"] == [] and "defect" not in report["summary"]
 
 
 def test_a_pre_quantized_model_is_checked_by_name(tmp_path):

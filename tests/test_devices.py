@@ -343,7 +343,7 @@ def test_cuda_tiny_decoder_exports_like_the_cpu_model(tmp_path):
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_transformers_llama_exports_like_the_cpu_model(tmp_path):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="builds a transformers model (the dev extra)")
     from examples import tiny_llama
 
     model, samples = tiny_llama.build()

@@ -9,8 +9,11 @@ bit-widths, preset, opset, format, encodings version, output names, the ops' cod
 registered recogniser, and a custom stage after ``marker_graph`` that edits a copy (fine) or
 its input in place (``InputMutationError``, cached and uncached alike, when there is a relu
 to rewrite). After each step the cached export (one cache for the whole sequence) must give
-the same ONNX, encodings and lock file as an export without a cache, and a second cached
-export must be all hits. The sequence is drawn by hypothesis, derandomized: every run draws
+the same ONNX, encodings and lock file as an export without a cache; an export that forces
+one drawn stage (it reruns on upstream outputs loaded from the cache, where the uncached
+export computed them) must give them too; and a second cached export must be all hits. The
+model swaps the halves of a feature map as rotary embeddings do: views that start inside
+their storage, which a program loaded from the cache must digest as the computed one. The sequence is drawn by hypothesis, derandomized: every run draws
 the same one; ``-m slow`` runs longer ones.
 """
 
@@ -79,6 +82,7 @@ class DiffNet(nn.Module):
     def forward(self, x):
         x = self.act(x, "x")
         x = F.conv2d(x, self.weight("conv"), self.conv.bias, padding=1)
+        x = torch.cat([x[..., 4:], x[..., :4]], -1)
         x = self.act(act(x), "a")
         return self.act(F.linear(torch.flatten(x, 1), self.weight("fc"), self.fc.bias), "out")
 '''
@@ -128,9 +132,18 @@ CHANGES: dict[str, list] = {
 }
 
 
-def draw_changes(rng: random.Random, state: State, rounds: int) -> list[tuple[str, object]]:
+#: Stages a step may force (the custom stage too, when there is one).
+FORCED = [
+    "capture", "quantize", "normalize", "quant_map", "qparams", "marker_graph", "to_onnx",
+    "lower_markers", "weight_qparams", "weight_digests", "bind", "encodings", "coverage",
+    "clamp",
+]  # fmt: skip
+
+
+def draw_changes(rng: random.Random, state: State, rounds: int) -> list[tuple[str, object, str]]:
     """``rounds`` shuffles of every kind of change, each to a value other than the one it
-    had: every kind is exercised, in a drawn order, against a drawn history."""
+    had, and a stage to force after it: every kind is exercised, in a drawn order, against a
+    drawn history."""
     steps = []
     for _ in range(rounds):
         kinds = sorted(CHANGES)
@@ -138,7 +151,7 @@ def draw_changes(rng: random.Random, state: State, rounds: int) -> list[tuple[st
         for kind in kinds:
             value = rng.choice([v for v in CHANGES[kind] if v != getattr(state, kind)])
             state = dataclasses.replace(state, **{kind: value})
-            steps.append((kind, value))
+            steps.append((kind, value, rng.choice(FORCED)))
     return steps
 
 
@@ -237,7 +250,7 @@ class World:
             model.fc_w_scale.mul_(s.weight_scale)
         return model.eval()
 
-    def export(self, out: Path, cache) -> dict[str, bytes] | str:
+    def export(self, out: Path, cache, force: tuple[str, ...] = ()) -> dict[str, bytes] | str:
         """The exported files' bytes, or the name of the error a failed export raised."""
         s = self.state
         options = gb.QnnOnnxOptions(
@@ -257,6 +270,7 @@ class World:
                 options=options,
                 cache=cache,
                 pipeline_factory=factory_for(s.stage),
+                force=force,
             )
         except StageError as err:
             return f"{err.stage}: {type(err.cause).__name__}"
@@ -296,7 +310,7 @@ def world_factory(tmp_path_factory):
 
 
 def check_sequence(world: World, steps) -> None:
-    for i, (kind, value) in enumerate(steps):
+    for i, (kind, value, forced) in enumerate(steps):
         world.apply(kind, value)
         note(f"step {i}: {kind} = {value!r} -> {world.state}")
         cached = world.export(world.root / "out", world.cache)
@@ -306,6 +320,9 @@ def check_sequence(world: World, steps) -> None:
             assert cached == f"clamp: {InputMutationError.__name__}"  # it rewrote the relu
             continue
         assert isinstance(cached, dict) and set(cached) == {"onnx", "encodings", "lock"}
+        if forced in world.last_report.statuses:
+            recomputed = world.export(world.root / "out", world.cache, force=(forced,))
+            assert recomputed == uncached, f"step {i}: forcing {forced} over loaded upstreams"
         world.export(world.root / "out", world.cache)
         assert set(world.last_report.statuses.values()) == {"hit"}, world.last_report.statuses
 

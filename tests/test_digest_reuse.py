@@ -102,3 +102,48 @@ def test_check_mode_fails_loudly_on_a_reused_digest_a_data_write_made_wrong(tmp_
     m.fc.weight.data.mul_(0.5)  # not seen by the version counter: the reuse would be wrong
     with pytest.raises(FingerprintMismatchError, match="version counter"):
         export(m, tmp_path, check_fingerprints=True)
+
+
+def test_state_digests_sees_a_write_through_data_at_once():
+    m = model()
+    before = fingerprint.state_digests(m)
+    m.fc.weight.data.mul_(2)  # a write torch's version counter does not see
+
+    after = fingerprint.state_digests(m)
+
+    assert after.digest != before.digest
+    assert after.tensors["fc.weight"] != before.tensors["fc.weight"]
+
+
+def test_after_an_export_state_digests_sees_a_write_through_data(tmp_path):
+    m = model()
+    export(m, tmp_path)
+    before = fingerprint.state_digests(m)
+    m.fc.weight.data.mul_(2)
+
+    assert fingerprint.state_digests(m).digest != before.digest
+
+
+def test_a_tensor_collected_while_another_is_remembered_does_not_deadlock(monkeypatch):
+    """A remembered tensor freed while ``remember`` holds the memo's lock (the garbage
+    collector runs whenever Python allocates) calls back into the memo from the same thread."""
+    import gc
+    import threading
+
+    doomed = torch.ones(3)
+    digest_memo.remember(doomed, "d" * 32)
+    holder = [doomed]
+    del doomed
+    real = digest_memo._token
+
+    def token_freeing_the_other(t):
+        holder.clear()  # the last reference: its weakref callback runs here
+        gc.collect()
+        return real(t)
+
+    monkeypatch.setattr(digest_memo, "_token", token_freeing_the_other)
+    worker = threading.Thread(target=digest_memo.remember, args=(torch.zeros(2), "e" * 32))
+    worker.daemon = True
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "remember deadlocked on its own lock"

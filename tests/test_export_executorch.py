@@ -334,6 +334,58 @@ def test_dynamic_dims_give_a_program_that_runs_at_other_batch_sizes(tmp_path):
             torch.testing.assert_close(run_pte(pte, (x,))[0], model(x), atol=1e-5, rtol=1e-4)
 
 
+def _readme_block(marker: str) -> str:
+    """The README's Python example that contains ``marker``."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    (block,) = [b for b in blocks if marker in b]
+    return block
+
+
+def test_the_readme_example_keeps_dynamic_dims_under_int8_static(tmp_path, monkeypatch):
+    """The README's multi-method, dynamic-shape example (``int8_static``) as written: the
+    program runs at batch sizes other than the sample's, ``encode`` and the constant too."""
+    from executorch.runtime import Runtime
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GRAPHBUILD_CACHE_DIR", str(tmp_path / "cache"))  # the default cache
+    model, samples = _two_heads()
+    exec(
+        _readme_block("dynamic_dims=["),
+        {"gb": gb, "torch": torch, "model": model, "samples": samples},
+    )
+    program = Runtime.get().load_program((tmp_path / "out" / "model.pte").read_bytes())
+    assert set(program.method_names) == {"forward", "encode", "max_batch"}
+    generator = torch.Generator().manual_seed(3)
+    for batch in (1, 5, 16):
+        x = torch.randn(batch, 8, generator=generator)
+        (out,) = program.load_method("forward").execute([x])  # a static program refuses it
+        assert out.shape == (batch, 4)
+        with torch.no_grad():
+            expected = model(x)
+        assert 20 * torch.log10(expected.norm() / (out - expected).norm()) > 25  # SQNR, dB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["int8_static", "int8_dynamic"])
+def test_dynamic_dims_hold_under_a_quantizing_recipe(tmp_path, recipe):
+    """Quantize re-exports the converted program, which must keep the dims the capture traced;
+    calibration batches of several sizes."""
+    model, samples = _two_heads()
+    calibration = [(torch.randn(b, 8),) for b in (1, 3, 7)]
+    dims = [{0: ["batch", 1, 16]}]
+    export(
+        model, samples, tmp_path, False, recipe=recipe, calibration=calibration, dynamic_dims=dims
+    )
+    pte = (tmp_path / "model.pte").read_bytes()
+    for batch in (1, 5, 16):
+        x = torch.randn(batch, 8)
+        (out,) = run_pte(pte, (x,))
+        assert out.shape == (batch, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), atol=0.1, rtol=0.1)
+
+
 def test_dynamic_dims_from_a_config_file_use_string_dims(tmp_path):
     from graphbuild.config import load_config
 

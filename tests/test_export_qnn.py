@@ -254,7 +254,7 @@ def test_encodings_read_back_match_the_quantizers(tmp_path, cache):
 
 
 def test_transformers_llama_exports_with_numerics(tmp_path, cache):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="builds a transformers model (the dev extra)")
     from examples import tiny_llama
 
     model, samples = tiny_llama.build()

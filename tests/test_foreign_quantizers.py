@@ -154,7 +154,7 @@ def test_retuning_a_fastforward_offset_reruns_values_only(tmp_path, cache):
 
 
 def test_a_real_fastforward_model_exports(tmp_path, cache):
-    ff = pytest.importorskip("fastforward")
+    ff = pytest.importorskip("fastforward", reason="Qualcomm's FastForward is not installed")
     model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
     ff.quantize_model(model)
     config = ff.QuantizationConfig()
@@ -307,7 +307,7 @@ def test_a_computed_value_may_only_use_arithmetic_ops():
 
 
 def test_a_real_aimet_torch_quantsim_exports(tmp_path, cache):
-    aimet_torch = pytest.importorskip("aimet_torch")
+    aimet_torch = pytest.importorskip("aimet_torch", reason="aimet-torch is not installed")
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 5)).eval()
     sim = aimet_torch.QuantizationSimModel(
         model, AIMET_X, default_param_bw=8, default_output_bw=16, config_file="htp_v81"

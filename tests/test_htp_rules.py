@@ -118,3 +118,16 @@ def test_layernorm_weights_are_8_bit_asymmetric_even_with_4_bit_weights():
     )
     assert (rules["g"].bits, rules["g"].symmetric, rules["g"].per_channel) == (8, False, False)
     assert not rules["b"].quantized
+
+
+def test_a_softmax_input_grid_is_no_finer_than_the_htp_computes_right_from():
+    """The HTP's rule, not AIMET's: through data movement to the quantizer that holds it."""
+    ops = [op("m", "Mul", ("x", "x")), op("r", "Reshape", ("m",)), op("s", "Softmax", ("r",))]
+    rules = htp.plan(view(ops), 8, 16)
+    assert rules["m"].min_scale == htp.SOFTMAX_MIN_INPUT_SCALE
+    assert rules["s"].min_scale is None and rules["x"].min_scale is None
+
+
+def test_an_encoding_that_is_no_softmax_input_has_no_minimum_step():
+    rules = htp.plan(view([op("m", "Mul", ("x", "x")), op("t", "Tanh", ("m",))]), 8, 16)
+    assert all(r.min_scale is None for r in rules.rules.values())

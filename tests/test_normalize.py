@@ -492,8 +492,13 @@ def test_user_recognizer_is_unregistered_after_fixture():
 
 @pytest.mark.filterwarnings("ignore:XNNPACKQuantizer is deprecated")
 def test_torchao_convert_pt2e_output():
-    pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
-    xnn = pytest.importorskip("torchao.testing.pt2e._xnnpack_quantizer")
+    pt2e = pytest.importorskip(
+        "torchao.quantization.pt2e.quantize_pt2e", reason="this torchao has no PT2E quantization"
+    )
+    xnn = pytest.importorskip(
+        "torchao.testing.pt2e._xnnpack_quantizer",
+        reason="this torchao has no XNNPACK test quantizer",
+    )
 
     class M(nn.Module):
         def __init__(self):

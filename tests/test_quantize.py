@@ -28,11 +28,12 @@ qd = torch.ops.quantized_decomposed
 Q_TENSOR, DQ_TENSOR = qd.quantize_per_tensor.default, qd.dequantize_per_tensor.default
 Q_CHANNEL, DQ_CHANNEL = qd.quantize_per_channel.default, qd.dequantize_per_channel.default
 
-WEIGHT_GRID = {"w8a8": (-128, 127), "w8a16": (-128, 127), "w4a16": (-8, 7)}
+WEIGHT_GRID = {"w8a8": (-128, 127), "w8a16": (-128, 127), "w4a16": (-8, 7), "w4a16_lpbq": (-8, 7)}
 ACT_GRID = {
     "w8a8": (0, 255, torch.uint8),
     "w8a16": (0, 65535, torch.uint16),
     "w4a16": (0, 65535, torch.uint16),
+    "w4a16_lpbq": (0, 65535, torch.uint16),
 }
 SDPA = aten.scaled_dot_product_attention.default
 SOFTMAX = {aten.softmax.int, aten._softmax.default}
@@ -228,12 +229,20 @@ def test_each_preset_quantizes_both_models(quantized: dict, name: str, preset: s
 def test_weights_are_per_channel_on_the_preset_grid(
     quantized: dict, name: str, preset: str
 ) -> None:
+    """``w4a16_lpbq``: but a bias-free linear weight with blocks of 64 inputs (LPBQ)."""
     program = quantized[name, preset]
     params = program.graph_signature.inputs_to_parameters
     weighted = [n for n in _calls(program) if n.target in WEIGHTED]
     assert weighted
     for node in weighted:
         dq = node.args[1]
+        if dq.target is qd.dequantize_per_channel_group.default:
+            assert preset == "w4a16_lpbq" and node.target is aten.linear.default
+            assert tuple(dq.args[3:7]) == (-8, 7, torch.int8, 64)
+            assert (len(node.args) < 3 or node.args[2] is None) and dq.args[0].args[0].meta[
+                "val"
+            ].shape[1] % 64 == 0
+            continue
         assert dq.target is DQ_CHANNEL and dq.args[0].target is Q_CHANNEL
         weight = dq.args[0].args[0]
         assert weight.name in params and params[weight.name].endswith("weight")
@@ -273,8 +282,8 @@ def test_a_tensor_read_by_several_ops_has_one_quantizer(quantized: dict, preset:
     sources = [n for n in _calls(program) if _quantizers_of(n)]
     for node in sources:  # nothing reads the unquantized value, one quantizer per tensor
         assert list(node.users) == _quantizers_of(node) and len(node.users) == 1
-    dequantized = [next(iter(_quantizers_of(n)[0].users)) for n in sources]
-    assert any(len(dq.users) > 1 for dq in dequantized)  # residual stream, RMSNorm input
+    readers = [sum(len(dq.users) for dq in _quantizers_of(n)[0].users) for n in sources]
+    assert any(r > 1 for r in readers)  # the residual stream, an RMSNorm's output
 
 
 def test_attention_key_is_symmetric_16_bit_with_16_bit_activations(quantized: dict) -> None:
@@ -287,6 +296,43 @@ def test_attention_key_is_symmetric_16_bit_with_16_bit_activations(quantized: di
         while source.target is not DQ_TENSOR:  # through transpose / expand / reshape
             source = source.args[0]
         assert tuple(source.args[2:6]) == (0, -32768, 32767, torch.int16)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_softmax_input_step_is_at_least_the_htps_minimum(quantized: dict, preset: str) -> None:
+    """The HTP's Softmax computes garbage from a finer input grid (htp.py)."""
+    from graphbuild.targets.qnn.htp import SOFTMAX_MIN_INPUT_SCALE
+
+    softmaxes = [n for n in _calls(quantized["decoder", preset]) if n.target in SOFTMAX]
+    for node in softmaxes:
+        source = node.args[0]
+        while source.target is not DQ_TENSOR:
+            source = source.args[0]
+        assert source.args[1] >= SOFTMAX_MIN_INPUT_SCALE * (1 - 1e-6), source.args[1]
+
+
+def test_a_narrow_range_widens_about_its_middle_to_the_minimum_step() -> None:
+    from graphbuild.targets.qnn.observers import quantization_spec
+
+    def observer():  # as PT2E builds it from the spec
+        spec = quantization_spec(16, symmetric=False, min_scale=2.0**-17)
+        return spec.observer_or_fake_quant_ctr(
+            dtype=spec.dtype,
+            quant_min=spec.quant_min,
+            quant_max=spec.quant_max,
+            qscheme=spec.qscheme,
+        )
+
+    narrow = observer()
+    narrow(torch.tensor([-0.01, 0.03]))
+    scale, zero_point = narrow.calculate_qparams()
+    assert float(scale) == pytest.approx(2.0**-17)
+    low, high = float(scale) * (0 - int(zero_point)), float(scale) * (65535 - int(zero_point))
+    assert low <= -0.01 and high >= 0.03
+    assert (low + high) / 2 == pytest.approx(0.01, abs=2.0**-16)
+    wide = observer()
+    wide(torch.tensor([-3.0, 5.0]))
+    assert float(wide.calculate_qparams()[0]) == pytest.approx(8.0 / 65535)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -487,3 +487,28 @@ def test_check_mode_keeps_the_value_it_recomputed_for_a_rematerialized_hit(cache
     assert CALLS.count("bind") == 1
     result.outputs["bind"]
     assert CALLS.count("bind") == 1 and "bind" not in rec.of(EventKind.LOADED)
+
+
+def _frozen_now(inputs, samples, ctx):
+    import gc
+
+    return gc.get_freeze_count()
+
+
+def test_a_run_collects_only_what_it_allocates_and_leaves_the_collector_as_it_was():
+    import gc
+
+    p = Pipeline(name="gc")
+    p.register_stage(_frozen_now, "frozen", reads=())
+    before = [object() for _ in range(100)]  # objects that exist before the run
+
+    frozen_during = p.run(None, cache=None).outputs["frozen"]
+
+    assert frozen_during >= len(before)  # they were left alone while it ran
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # a process that freezes objects itself keeps them frozen
+    try:
+        p.run(None, cache=None)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

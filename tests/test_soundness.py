@@ -290,7 +290,9 @@ def test_a_registered_fingerprint_function_is_part_of_the_fingerprint():
 
 
 def test_a_generation_config_hash_does_not_reach_the_structure():
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip(
+        "transformers", reason="builds a transformers model (the dev extra)"
+    )
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
     model = transformers.GPT2LMHeadModel(config).eval()
     before = structure_fingerprint(model).digest
@@ -419,7 +421,7 @@ def test_a_module_imported_inside_forward_is_in_the_closure_before_forward_runs(
 
 
 def test_a_grouped_query_decoder_keeps_its_onnx_graph_across_a_preset_change(tmp_path):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="builds a transformers model (the dev extra)")
     from examples import tiny_llama
 
     model, samples = tiny_llama.build()  # 4 query heads, 2 key/value heads

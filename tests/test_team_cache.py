@@ -1,5 +1,7 @@
-"""A team cache on Redis: two clones share one server, writers killed mid-push publish nothing
-a reader accepts, concurrent writers agree, and ``graphbuild cache`` looks after the server.
+"""A team cache on Redis: writers killed mid-push publish nothing a reader accepts, concurrent
+writers agree, a server that refuses us, lets us only read or never answers costs an export
+nothing but a warning, and ``graphbuild cache`` looks after the server (two clones, users and
+Python builds sharing one: ``tests/test_team_sharing.py``).
 
 Every test starts its own ``redis-server`` on a free loopback port and skips, saying why,
 where it is not installed.
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -135,19 +138,6 @@ def team(tmp_path_factory):
         yield url, root, first
 
 
-def test_a_second_clone_s_first_export_is_all_hits(team):
-    url, root, first = team
-    second = root / "bob"
-    write_config(second)
-
-    doc = export_clone(second, url)
-
-    assert set(statuses(doc).values()) == {"hit"}, statuses(doc)
-    assert files(second / "out") == files(first / "out")
-    again = export_clone(second, url)
-    assert set(statuses(again).values()) == {"hit"}
-
-
 def test_cache_commands_work_on_the_shared_cache(team, tmp_path):
     url, _, first = team
 
@@ -180,7 +170,7 @@ def test_cache_verify_on_the_shared_cache_finds_and_removes_a_corrupt_blob(redis
     result = CliRunner().invoke(app, ["cache", "verify", "--cache-url", redis_url, "--json"])
 
     doc = json.loads(result.stdout)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # it found corruption
     assert doc["removed_blobs"] == 1 and doc["removed_entries"] >= 1
     assert any(c.startswith("blob ") for c in doc["corrupt"])
     assert Cache.remote(redis_url).verify(repair=False).corrupt == []
@@ -383,14 +373,24 @@ def test_four_writers_sharing_one_server_agree(redis_url, tmp_path):
     assert CALLS == []
 
 
-def test_a_reader_whose_acl_forbids_writes_gets_hits_and_one_warning(redis_url, tmp_path):
-    shared_pipeline().run(small_model(), cache=Cache(tmp_path / "ci", url=redis_url))
+def _reader_url(redis_url: str) -> str:
+    """A user whose ACL lets it read every key and write none."""
     client(redis_url).acl_setuser(
         "reader", enabled=True, passwords=["+secret"], keys=["*"],
         commands=["+@read", "+@connection", "-@write"],
     )  # fmt: skip
-    reader_url = redis_url.replace("redis://", "redis://reader:secret@")
+    return redis_url.replace("redis://", "redis://reader:secret@")
+
+
+@pytest.mark.parametrize("age", [0, 3600], ids=["fresh entries", "entries an hour old"])
+def test_a_reader_whose_acl_forbids_writes_is_a_reader(redis_url, tmp_path, monkeypatch, age):
+    shared_pipeline().run(small_model(), cache=Cache(tmp_path / "ci", url=redis_url))
+    reader_url = _reader_url(redis_url)
     keys_before = sorted(client(redis_url).scan_iter())
+    clock = time.time
+    monkeypatch.setattr(
+        "graphbuild.cache.store.time", types.SimpleNamespace(time=lambda: clock() + age)
+    )
 
     reset()
     with warnings.catch_warnings(record=True) as caught:
@@ -400,11 +400,108 @@ def test_a_reader_whose_acl_forbids_writes_gets_hits_and_one_warning(redis_url, 
         other.register_stage(stage("extra", _total), "extra", reads=()).depends_on("weights")
         other.run(small_model(), cache=consumer)
 
-    assert CALLS == ["extra"]  # hits from the server; the new stage built
+    assert CALLS == ["extra"]  # hits from the server however old; the new stage built
     assert sorted(client(redis_url).scan_iter()) == keys_before
-    shown = [str(w.message) for w in caught if "cannot be used" in str(w.message)]
-    assert len(shown) == 1 and "secret" not in shown[0]
+    shown = [str(w.message) for w in caught if "shared cache" in str(w.message)]
+    assert len(shown) == 1 and "read" in shown[0] and "secret" not in shown[0], shown
     assert consumer.writable  # the local cache took the result
+
+
+@pytest.mark.parametrize("how", ["a wrong password", "no password", "an unknown user"])
+def test_a_server_that_refuses_our_credentials_warns_and_the_run_goes_on_locally(tmp_path, how):
+    with RedisServer(password="s3cret") as url:
+        given = {
+            "a wrong password": url.replace(":s3cret@", ":wrong@"),
+            "no password": url.replace(":s3cret@", ""),
+            "an unknown user": url.replace("://:s3cret@", "://nobody:s3cret@"),
+        }[how]
+        reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = shared_pipeline().run(small_model(), cache=Cache(tmp_path / "l", url=given))
+        written = client(url).dbsize()
+
+    assert result.report.ran == ["weights", "scaled1.0", "scaled2.0", "scaled3.0", "total"]
+    shown = [str(w.message) for w in caught if "shared cache" in str(w.message)]
+    assert len(shown) == 1 and "127.0.0.1" in shown[0], shown
+    assert "s3cret" not in shown[0] and "wrong" not in shown[0]
+    assert written == 0
+    reset()
+    shared_pipeline().run(small_model(), cache=Cache(tmp_path / "l"))
+    assert CALLS == []  # the local cache kept everything
+
+
+@pytest.fixture
+def silent_server(monkeypatch):
+    """A real server, paused: it accepts connections and never answers. Timeouts of 1 s."""
+    monkeypatch.setenv("GRAPHBUILD_CACHE_TIMEOUT", "1")
+    server = RedisServer()
+    with server as url:
+        yield server, url
+
+
+def test_a_server_that_never_answers_costs_one_timeout_and_the_run_goes_on(silent_server, tmp_path):
+    server, url = silent_server
+    server.pause()
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = shared_pipeline().run(small_model(), cache=Cache(tmp_path / "l", url=url))
+
+    assert time.monotonic() - start < 15  # a 1 s timeout, not a minute per question
+    assert result.report.ran == ["weights", "scaled1.0", "scaled2.0", "scaled3.0", "total"]
+    assert len([w for w in caught if "shared cache" in str(w.message)]) == 1
+
+
+def test_after_one_timeout_a_run_stops_asking_the_server(silent_server, tmp_path, monkeypatch):
+    import redis.connection
+
+    server, url = silent_server
+    shared_pipeline().run(small_model(), cache=Cache(tmp_path / "ci", url=url))
+    cache = Cache(tmp_path / "l", url=url)  # the server answered when the run began
+    server.pause()
+    asked: list[object] = []
+    real = redis.connection.AbstractConnection.send_packed_command
+    monkeypatch.setattr(
+        redis.connection.AbstractConnection,
+        "send_packed_command",
+        lambda self, *a, **k: asked.append(a) or real(self, *a, **k),
+    )
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = shared_pipeline().run(small_model(), cache=cache)
+
+    assert result.report.ran == ["weights", "scaled1.0", "scaled2.0", "scaled3.0", "total"]
+    assert len(asked) == 1  # the question that timed out, and no other
+    assert time.monotonic() - start < 15
+    assert len([w for w in caught if "cannot be used" in str(w.message)]) == 1
+
+
+def test_cache_stats_on_a_server_that_never_answers_fails_in_seconds_with_a_sentence(
+    silent_server,
+):
+    server, url = silent_server
+    server.pause()
+    start = time.monotonic()
+
+    result = CliRunner().invoke(app, ["cache", "stats", "--cache-url", url])
+
+    assert time.monotonic() - start < 15
+    assert result.exit_code == 2, result.output
+    assert "shared cache at redis://127.0.0.1" in result.output and "timed out" in result.output
+
+
+def test_the_default_timeouts_are_a_few_seconds(redis_url, monkeypatch):
+    from graphbuild.cache.redis import open_redis
+
+    monkeypatch.delenv("GRAPHBUILD_CACHE_TIMEOUT", raising=False)
+    stores = open_redis(redis_url)
+    options = stores.index.client.connection_pool.connection_kwargs
+    stores.close()
+
+    assert 1 <= options["socket_connect_timeout"] <= 5
+    assert 1 <= options["socket_timeout"] <= 10
 
 
 def test_a_size_limit_prunes_the_local_cache_never_the_shared_one(redis_url, tmp_path):

@@ -17,9 +17,9 @@ with onnxruntime's CPU on the same file.
   far (0.5 dB) from the float model.
 
 Default suite: a CNN per preset (one through the ``onnx`` format) and GPT-2; ``-m slow`` runs
-the rest. The transformers fail today on the diagnosis of issue 18 (branch ``htp`` fixes the
-export's Q/DQ forms): they are ``xfail(strict=True)``, so they fail the suite once they pass,
-to be unmarked.
+the rest. The Q/DQ forms and rewrites that make the transformers compile fully quantized are
+issue 18's (``qdq_forms``, ``htp_patterns``); the one op QNN runs float by design is named
+below.
 """
 
 from __future__ import annotations
@@ -44,26 +44,30 @@ DEFAULT = {
     ("gpt2", "w8a8", "onnx_qdq"),
 }
 
-#: What QNN refuses in each transformer today (issue 18's diagnosis, reproduced by these
-#: tests: onnxruntime-qnn 2.7.0, QNN 2.51, v81).
-DEFECTS = {
-    "bert": (
-        "issue 18 items 2-3: no Q/DQ after Reshape/Transpose/Gather and LayerNorm biases left "
-        "float: QNN leaves 11 of 291 nodes to the CPU and takes 23 ops in float"
-    ),
-    "gpt2": (
-        "issue 18 items 1-3 (and 7): signed activation grids leave c_attn's per-channel weight "
-        "DequantizeLinear standalone (on the CPU), no Q/DQ after data movement, LayerNorm "
-        "biases float: 271/275 nodes on QNN, 34 ops float, w8a16 38,519 steps from ORT CPU"
-    ),
-    "llama": (
-        "issue 18 items 1, 2 and 4: signed k/v/sin/cos grids, no Q/DQ after data movement, "
-        "RMSNorm written out: 402/404 nodes on QNN, 60 ops float"
-    ),
-    "vit": (
-        "issue 18 items 2-3: no Q/DQ after data movement, LayerNorm biases float: 283/292 "
-        "nodes on QNN, 16 ops float, w8a16 2,904 steps from ORT CPU"
-    ),
+#: Ops QNN runs in float by design, per model (QNN's op type, count, why): a rotary
+#: embedding's positions x inverse frequencies. Its positions are an integer tensor cast to
+#: float, whose output AIMET's htp_v81 configuration (and so the HTP rules) leaves float:
+#: quantized, positions would lose the exactness the angles need (8 bits: a step of 1/16 of
+#: the sequence). QNN takes the one Mul in float on the HTP, no CPU fallback.
+FLOAT_BY_DESIGN = {
+    "llama": ("ElementWiseMultiply", 1, "rotary positions x inv_freq: an integer Cast feeds it"),
+    "gptneox": ("ElementWiseMultiply", 1, "rotary positions x inv_freq: an integer Cast feeds it"),
+}
+
+
+#: Where the HTP's numbers are not yet within the bounds above (every one compiles fully
+#: quantized; measured with onnxruntime-qnn 2.7.0, v81; branch htp): strict xfails, so a
+#: change either way shows.
+NOT_WITHIN_BOUNDS = {
+    ("bert", "w8a16"): "the classifier Gemm lands 6 logit steps (6e-7 each) from the CPU "
+    "given the CPU's inputs; end to end 7 steps, SQNR vs float 50.5 (HTP) / 49.9 (CPU) dB",
+    ("vit", "w8a16"): "the classifier Gemm lands 5 steps from the CPU given the CPU's inputs; "
+    "end to end 100 steps from the HTP's 16-bit Gelu (26 steps alone) and 16x16 MatMuls "
+    "(12-60 steps); SQNR vs float 42.5 (HTP) / 43.7 (CPU) dB",
+    ("vit", "w8a8"): "each op within 2 steps given the CPU's inputs, 36 end to end: one-step "
+    "differences grow through 2 layers of a model 16.7 dB from its float self",
+    ("llama", "w8a8"): "each op within 2 steps given the CPU's inputs, 4 end to end",
+    ("gptneox", "w8a8"): "each op within 2 steps given the CPU's inputs, 4 end to end",
 }
 
 
@@ -73,8 +77,9 @@ def cases() -> list:
         for preset in PRESETS:
             for fmt in ("onnx_qdq", "onnx"):
                 marks = [] if (name, preset, fmt) in DEFAULT else [pytest.mark.slow]
-                if name in DEFECTS:
-                    marks.append(pytest.mark.xfail(strict=True, reason=DEFECTS[name]))
+                if (name, preset) in NOT_WITHIN_BOUNDS:
+                    reason = NOT_WITHIN_BOUNDS[name, preset]
+                    marks.append(pytest.mark.xfail(strict=True, reason=reason))
                 out.append(
                     pytest.param(name, preset, fmt, marks=marks, id=f"{name}-{preset}-{fmt}")
                 )
@@ -100,7 +105,9 @@ def test_the_htp_runs_every_zoo_export_fully_quantized_and_agrees_with_ort_cpu(
     partition = check["partition"]
     assert partition["cpu_nodes"] == [], _where(check)
     assert partition["qnn_nodes"] == partition["total_nodes"]
-    assert partition["float_ops"] == [], _where(check)
+    op_type, count, _ = FLOAT_BY_DESIGN.get(name, ("", 0, ""))
+    floats = partition["float_ops"]
+    assert [o["op_type"] for o in floats] == [op_type] * count, _where(check)
     (out,) = check["outputs"]
     if preset == "w4a16":
         assert out["sqnr_htp_vs_cpu_db"] >= out["sqnr_cpu_db"] + 20, out

@@ -5,9 +5,14 @@ QNN, built from configs in the test (nothing is downloaded).
   (``add_``), max pool, adaptive average pool;
 * ``mobilenetv3``: MobileNetV3 blocks: hardswish, depthwise convolutions, squeeze-excite
   (average pool, hardsigmoid, mul), residual adds;
-* ``bert``, ``gpt2``, ``llama`` (grouped-query attention), ``vit``: transformers' own models
-  from tiny configs, with their default (sdpa) attention; BERT returns its output dataclass,
-  the others are wrapped to return the logits tensor.
+* ``bert``, ``gpt2``, ``llama`` (grouped-query attention), ``vit``, ``gptneox`` (a rotary
+  embedding over the whole head: its pass-through half is a zero-size tensor): transformers'
+  own models from tiny configs, with their default (sdpa) attention; BERT returns its output
+  dataclass, the others are wrapped to return the logits tensor;
+* ``convbias``: convolutions whose biases are computed in ``forward`` (a zero bias made there,
+  a learned scalar expanded to the channels);
+* ``poolhead``: a classifier head pooling with a fixed 7x7 window (``ceil_mode``) over a
+  smaller feature map: the window covers the whole input.
 
 Each entry gives the model, one sample input and calibration batches.
 """
@@ -18,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 VOCAB, SEQ, IMAGE = 128, 16, (1, 3, 16, 16)
@@ -133,6 +139,43 @@ def _trained_looking_batchnorm(model: nn.Module, seed: int) -> None:
             m.bias.data.copy_(torch.randn(m.num_features, generator=g) * 0.1)
 
 
+class ConvBias(nn.Module):
+    """Biases computed in ``forward``: what QNN cannot take as a convolution's bias."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 3, 3, 3) * 0.3)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.w2 = nn.Parameter(torch.randn(8, 8, 3, 3) * 0.15)
+        self.shift = nn.Parameter(torch.tensor([0.1]))
+        self.fc = nn.Linear(8, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(F.conv2d(x, self.w1, torch.zeros(8), stride=2, padding=1)))
+        x = torch.relu(F.conv2d(x, self.w2, self.shift.expand(8), padding=1))
+        return self.fc(x.mean((2, 3)))
+
+
+class PoolHead(nn.Module):
+    """A head written for 224-pixel inputs (``AvgPool2d(7)``, ``ceil_mode``) on a 4x4 map."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, 2, 1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 16, 3, 2, 1, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU(inplace=True),
+        )
+        self.pool = nn.AvgPool2d(7, ceil_mode=True)
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.features(x)), 1))
+
+
 # --------------------------------------------------------------------------- transformers
 
 
@@ -194,6 +237,22 @@ def _llama() -> nn.Module:
     return Logits(LlamaForCausalLM(config))
 
 
+def _gptneox() -> nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        rotary_pct=1.0,
+        use_cache=False,
+    )
+    return Logits(GPTNeoXForCausalLM(config))
+
+
 def _vit() -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -245,6 +304,9 @@ ZOO: dict[str, Entry] = {
     "gpt2": Entry(_gpt2, tokens=True),
     "llama": Entry(_llama, tokens=True),
     "vit": Entry(_vit, tokens=False),
+    "gptneox": Entry(_gptneox, tokens=True),
+    "convbias": Entry(_cnn(ConvBias), tokens=False),
+    "poolhead": Entry(_cnn(PoolHead), tokens=False),
 }
 
 

@@ -36,12 +36,14 @@ def export_zoo(
     version: str = "1.0.0",
     int32_bias: bool | None = None,
     check_htp: bool = False,
+    matmul_int16_requantize: bool = True,
 ) -> gb.ExportArtifacts:
     """Export zoo model ``name`` with ``preset`` (numerics checked; with ``check_htp``, on
     Qualcomm's HTP backend too) into a directory of its own beside the cache; the second call
     with the same arguments returns the first's result."""
     key = (name, preset, fmt, version) + (() if int32_bias is None else (f"bias{int32_bias}",))
     key += ("htp",) if check_htp else ()
+    key += () if matmul_int16_requantize else ("no-int16-requantize",)
     if key not in _DONE:
         model, sample = zoo.build(name)
         out = Path(cache.path).parent / "zoo-out" / "-".join(key)
@@ -58,6 +60,7 @@ def export_zoo(
                 int32_bias=int32_bias,
                 check_numerics=True,
                 check_htp=check_htp,
+                matmul_int16_requantize=matmul_int16_requantize,
             ),
             cache=cache,
         )

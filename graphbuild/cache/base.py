@@ -13,7 +13,9 @@ What every backend promises (``tests/test_cache_contract.py`` checks each one):
   refused before it names a path or a key.
 - A store that cannot be reached or written raises ``OSError`` (:class:`StoreUnavailable` for
   a backend that is not a file system); a read that fails that way is a miss, a write that
-  fails that way turns caching off for the run, with one warning.
+  fails that way turns caching off for the run, with one warning. A write refused because
+  this user may only read raises :class:`StoreReadOnly`: the store is then read, not
+  written, for the rest of the run.
 - Maintenance (``delete``, ``clear``, ``sweep``) removes only what the store itself writes.
 """
 
@@ -33,6 +35,11 @@ class StoreUnavailable(OSError):
     """A store that cannot be reached, opened or written right now."""
 
 
+class StoreReadOnly(StoreUnavailable):
+    """A store this process may read and may not write (a server whose ACL lets this user
+    read only): a reader, not a store that is gone."""
+
+
 class CorruptBlob(Exception):
     """A blob that is missing, truncated or whose bytes do not match its digest."""
 
@@ -49,6 +56,21 @@ def checked_blob(digest: str, data: bytes, size: int | None) -> bytes:
     if digest_bytes(data) != digest:
         raise CorruptBlob(digest, "does not match its digest")
     return data
+
+
+def _memory_bytes() -> int:
+    """This machine's physical memory (2**62 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**62
+
+
+def check_blob_size(digest: str, size: int) -> None:
+    """CorruptBlob when a manifest says a blob holds more bytes than this machine has memory:
+    reading it would only end in the kernel killing the process, so the entry is a miss."""
+    if size > _memory_bytes():
+        raise CorruptBlob(digest, f"claims {size} bytes, more than this machine's memory")
 
 
 def read_only_error(where: str = "") -> OSError:

@@ -7,9 +7,10 @@ A run's results go to both: blobs first, then the manifest, so the shared cache 
 blob it does not hold. Only manifests (``m:``) are shared; explain records, placement stamps
 and hit counters stay with the machine they describe.
 
-The shared cache is an optimisation, never a dependency: when it cannot be reached the run
-goes on with the local cache after one warning; a read-only one (a consumer, a CI job that
-must not publish) is read and never written.
+The shared cache is an optimisation, never a dependency: when it cannot be reached, refuses
+the credentials or stops answering, the run goes on with the local cache after one warning
+and asks it nothing more; a read-only one (a consumer, a CI job that must not publish, a
+user whose ACL allows reads only) is read and never written.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from graphbuild.cache.base import ActionIndex, BlobStore, CorruptBlob, Stores
+from graphbuild.cache.base import ActionIndex, BlobStore, CorruptBlob, StoreReadOnly, Stores
 from graphbuild.cache.manifest import InvalidManifest, blob_refs, check_manifest
 
 SHARED = ("m:",)
@@ -35,6 +36,20 @@ class _Remote:
     up: bool = True
 
     def failed(self, err: BaseException) -> None:
+        """A question to the shared cache failed: a write this user may not make makes it a
+        reader for the rest of the run (hits keep coming); anything else stops the run
+        asking it (one timeout a run, never one a question)."""
+        if isinstance(err, StoreReadOnly):
+            if self.up and not self.readonly:
+                warnings.warn(
+                    f"graphbuild: the shared cache at {self.location} lets this user read, "
+                    "not write: reading it, and keeping this run's results in the local "
+                    "cache (--cache-readonly says so and skips this note)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            self.readonly = True
+            return
         if self.up:
             warnings.warn(
                 f"graphbuild: the shared cache at {self.location} cannot be used ({err}); "

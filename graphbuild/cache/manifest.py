@@ -99,6 +99,11 @@ def check_run_record(record: Any) -> dict[str, Any] | None:
         return None
     if not _table_of(record.get("upstream", {}), str, type(None)):
         return None
+    changes = record.get("changes", [])
+    if type(changes) is not list or any(
+        type(c) is not list or len(c) != 3 or type(c[0]) is not str for c in changes
+    ):
+        return None
     reads = record.get("reads", {})
     if type(reads) is not dict:
         return None
@@ -112,6 +117,75 @@ def check_run_record(record: Any) -> dict[str, Any] | None:
     return record
 
 
+def check_explain_record(record: Any) -> dict[str, Any]:
+    """:func:`check_run_record` for ``cache verify``: raises InvalidManifest."""
+    if check_run_record(record) is None:
+        raise InvalidManifest("not an explain record")
+    return record
+
+
+#: What :func:`graphbuild.output.placement.place_outputs` records of each placed file.
+_STAMP_FILE = {"name": str, "xxh3_128": str, "product": str, "bytes": int, "mtime_ns": int}
+LOCK_FILE = "graphbuild.lock.json"
+
+
+def check_placement_stamp(stamp: Any) -> dict[str, Any]:
+    """``stamp`` if it has the shape of what placement records about an output directory:
+    product digests, and for each file a plain name (never the lock file), its digest, size
+    and mtime, and for a model file the ranges of its tensors, each inside the file; raises
+    InvalidManifest. (Placement also checks each name against the files its pipeline
+    declares, which only it knows.)"""
+    if type(stamp) is not dict:
+        raise InvalidManifest("not a JSON object")
+    products = stamp.get("products")
+    if not _table_of(products, str) or not all(map(is_digest, products.values())):
+        raise InvalidManifest("'products' is not a table of digests")
+    if stamp.get("external_data") not in (None, True, False):
+        raise InvalidManifest("'external_data' is not true, false or null")
+    if type(stamp.get("files")) is not list:
+        raise InvalidManifest("'files' is not a list")
+    for item in stamp["files"]:
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
+            raise InvalidManifest(f"bad file entry {str(item)[:80]}")
+        f = item[1]
+        if type(f) is not dict or any(type(f.get(k)) is not t for k, t in _STAMP_FILE.items()):
+            raise InvalidManifest(f"bad file entry {str(item)[:80]}")
+        if not is_plain_name(f["name"]) or f["name"] == LOCK_FILE:
+            raise InvalidManifest(f"names {str(f['name'])[:80]!r}, not a file it may place")
+        if not is_digest(f["xxh3_128"]) or not 0 <= f["bytes"] <= _MAX_COUNT:
+            raise InvalidManifest(f"bad digest or size for {f['name']!r}")
+        _check_ranges(f.get("ranges", []), f["bytes"], f["name"])
+    return stamp
+
+
+def _check_ranges(ranges: Any, size: int, name: str) -> None:
+    """``[[offset, length, digest], ...]``, each range inside a file of ``size`` bytes."""
+    if type(ranges) is not list:
+        raise InvalidManifest(f"'ranges' of {name!r} is not a list")
+    for r in ranges:
+        if type(r) is not list or len(r) != 3:
+            raise InvalidManifest(f"bad range {str(r)[:80]} in {name!r}")
+        offset, length, digest = r
+        if type(offset) is not int or type(length) is not int or not is_digest(digest):
+            raise InvalidManifest(f"bad range {str(r)[:80]} in {name!r}")
+        if offset < 0 or length < 0 or offset + length > size:
+            raise InvalidManifest(f"range {str(r)[:80]} lies outside {name!r} ({size} bytes)")
+
+
+def check_memo_record(record: Any) -> dict[str, Any]:
+    """``record`` if it is a memo record (``graphbuild.engine.source_memo``) that matches
+    its own digest; raises InvalidManifest."""
+    if type(record) is not dict or type(record.get("kind")) is not str or "value" not in record:
+        raise InvalidManifest("not a memo record")
+    try:
+        digest = digest_json([record["kind"], record["value"]])
+    except (TypeError, ValueError) as err:
+        raise InvalidManifest(f"its value is not JSON ({err})") from err
+    if record.get("digest") != digest:
+        raise InvalidManifest("does not match its digest")
+    return record
+
+
 _SCALARS = (str, int, float, bool, type(None))
 _RECORD_FIELDS: dict[str, tuple[type, ...]] = {
     "key": (str, type(None)),
@@ -120,6 +194,8 @@ _RECORD_FIELDS: dict[str, tuple[type, ...]] = {
     "status": (str, type(None)),
     "when": (int, float, type(None)),
     "seconds": (int, float, type(None)),
+    "reason": (str, type(None)),
+    "changes": (list,),
     "toolchain": (dict,),
     "upstream": (dict,),
     "reads": (dict,),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 import secrets
 import time
@@ -35,8 +36,10 @@ import redis.exceptions
 
 from graphbuild.cache.base import (
     CorruptBlob,
+    StoreReadOnly,
     Stores,
     StoreUnavailable,
+    check_blob_size,
     checked_blob,
     read_only_error,
 )
@@ -56,6 +59,13 @@ _CHUNK_KEY = re.compile(re.escape(_CHUNK) + r"([0-9a-f]{32}):(\d{1,9})")
 _HEADER_KEY = re.compile(re.escape(_HEADER) + r"([0-9a-f]{32})")
 _STAGE_KEY = re.compile(re.escape(_STAGE) + r"[0-9a-f]{16}:\d{1,9}")
 
+#: Seconds to wait for a connection and for each answer unless ``$GRAPHBUILD_CACHE_TIMEOUT``
+#: (or ``?socket_connect_timeout=``/``?socket_timeout=`` in the URL) says otherwise: a team
+#: cache that hangs costs an export a few seconds once, never a minute per question.
+TIMEOUT_ENV = "GRAPHBUILD_CACHE_TIMEOUT"
+CONNECT_TIMEOUT = 3.0
+READ_TIMEOUT = 5.0
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -69,19 +79,62 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=user + netloc))
 
 
-def _unreachable(method: F) -> F:
-    """Server, network and permission errors (a read-only replica, an ACL that allows reads
-    only) leave the stores as StoreUnavailable (an OSError); a key of the wrong type planted
-    where the store reads is handled where it is read, as damage."""
+class _Server:
+    """One server's client and what this process learnt about it: after a question timed
+    out or the connection failed, every later one fails at once, without asking (a server
+    that hangs costs one timeout a run)."""
 
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except redis.exceptions.RedisError as err:
-            raise StoreUnavailable(f"the shared cache at {self.location}: {err}") from err
+    def __init__(self, client: redis.Redis, location: str):
+        self.client = client
+        self.location = location
+        self.down: str | None = None
 
-    return wrapper  # type: ignore[return-value]
+    def ask(self) -> redis.Redis:
+        if self.down is not None:
+            raise StoreUnavailable(
+                f"the shared cache at {self.location}: {self.down}; not asked again"
+            )
+        return self.client
+
+    def failed(self, err: redis.exceptions.RedisError) -> StoreUnavailable:
+        """The error to raise for ``err``; a lost connection or a timeout marks the server
+        down for the rest of the process's run."""
+        if isinstance(err, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+            self.down = _why(err)
+        return StoreUnavailable(f"the shared cache at {self.location}: {_why(err)}")
+
+
+def _why(err: redis.exceptions.RedisError) -> str:
+    if isinstance(err, redis.exceptions.TimeoutError):
+        return f"no answer in time (timed out; ${TIMEOUT_ENV} sets the seconds to wait)"
+    return str(err) or type(err).__name__
+
+
+def _asks(*, write: bool = False) -> Callable[[F], F]:
+    """Server, network and permission errors leave the stores as StoreUnavailable (an
+    OSError); a write this user may not make (an ACL that allows reads only) as
+    StoreReadOnly; a key of the wrong type planted where the store reads is handled where it
+    is read, as damage."""
+
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self.server.ask()
+            try:
+                return method(self, *args, **kwargs)
+            except redis.exceptions.NoPermissionError as err:
+                if write:
+                    raise StoreReadOnly(
+                        f"the shared cache at {self.location} lets this user read, not write "
+                        f"({err})"
+                    ) from err
+                raise self.server.failed(err) from err
+            except redis.exceptions.RedisError as err:
+                raise self.server.failed(err) from err
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
 def _glob(text: str) -> str:
@@ -92,16 +145,17 @@ def _glob(text: str) -> str:
 class RedisIndex:
     """The action index on a Redis server: one string key per row, counters as integers."""
 
-    def __init__(self, client: redis.Redis, location: str, *, readonly: bool = False):
-        self.client = client
-        self.location = location
+    def __init__(self, server: _Server, *, readonly: bool = False):
+        self.server = server
+        self.client = server.client
+        self.location = server.location
         self.readonly = readonly
 
     def _writable(self) -> None:
         if self.readonly:
             raise read_only_error(self.location)
 
-    @_unreachable
+    @_asks()
     def get_json(self, key: str) -> dict[str, Any] | None:
         try:
             raw = self.client.get(_INDEX + key)
@@ -116,17 +170,17 @@ class RedisIndex:
             raise ValueError(f"index row {key} is not a JSON object")
         return data
 
-    @_unreachable
+    @_asks(write=True)
     def set_json(self, key: str, value: dict[str, Any]) -> None:
         self._writable()
         self.client.set(_INDEX + key, json.dumps(value, sort_keys=True))
 
-    @_unreachable
+    @_asks(write=True)
     def delete(self, key: str) -> bool:
         self._writable()
         return bool(self.client.delete(_INDEX + key))
 
-    @_unreachable
+    @_asks()
     def keys(self, prefix: str) -> Iterator[str]:
         found = []
         for raw in self.client.scan_iter(match=_glob(_INDEX + prefix) + "*", count=1000):
@@ -136,7 +190,7 @@ class RedisIndex:
                 continue
         return iter(found)
 
-    @_unreachable
+    @_asks(write=True)
     def incr(self, counter: str, delta: int = 1) -> None:
         self._writable()
         try:
@@ -146,13 +200,16 @@ class RedisIndex:
 
     def counter(self, counter: str) -> int:
         try:
-            raw = self.client.get(_INDEX + f"stat:{counter}")
+            raw = self.server.ask().get(_INDEX + f"stat:{counter}")
             value = int(raw) if raw is not None else 0
-        except (redis.exceptions.RedisError, ValueError):
+        except redis.exceptions.RedisError as err:
+            self.server.failed(err)
+            return 0
+        except (StoreUnavailable, ValueError):
             return 0
         return value if abs(value) < 2**62 else 0
 
-    @_unreachable
+    @_asks(write=True)
     def clear(self) -> None:
         self._writable()
         _delete_matching(self.client, _glob(_INDEX) + "*", lambda _key: True)
@@ -164,9 +221,10 @@ class RedisIndex:
 class RedisBlobs:
     """The blob store on a Redis server: a header per blob, its bytes in chunks."""
 
-    def __init__(self, client: redis.Redis, location: str, *, readonly: bool = False):
-        self.client = client
-        self.location = location
+    def __init__(self, server: _Server, *, readonly: bool = False):
+        self.server = server
+        self.client = server.client
+        self.location = server.location
         self.readonly = readonly
 
     def _header(self, digest: str) -> tuple[int, int, float] | None:
@@ -177,7 +235,7 @@ class RedisBlobs:
             return None
         return _parse_header(raw)
 
-    @_unreachable
+    @_asks()
     def has(self, digest: str, size: int) -> bool:
         if not is_digest(digest):
             return False
@@ -187,7 +245,7 @@ class RedisBlobs:
         chunks = header[1]
         return chunks == 0 or self.client.exists(*_chunk_keys(digest, chunks)) == chunks
 
-    @_unreachable
+    @_asks(write=True)
     def write(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
         if not is_digest(digest):
             raise ValueError(f"not a blob digest: {str(digest)[:80]!r}")
@@ -213,8 +271,13 @@ class RedisBlobs:
             raise StoreUnavailable(f"the shared cache at {self.location}: upload of a blob failed")
         return True
 
-    @_unreachable
+    @_asks()
     def read(self, digest: str, size: int | None = None) -> bytes:
+        """The blob's bytes, checked against its digest. Each chunk is read bounded
+        (``GETRANGE``) and checked for the length its place says before the next is asked
+        for: a planted header or chunk cannot make the reader hold more than the size the
+        header and the manifest agree on, and a size this machine could not hold is refused
+        before any byte is read."""
         if not is_digest(digest):
             raise CorruptBlob(str(digest), "is not a digest (32 lowercase hex digits)")
         header = self._header(digest)
@@ -223,18 +286,27 @@ class RedisBlobs:
         length, chunks, _ = header
         if size is not None and length != size:
             raise CorruptBlob(digest, f"has {length} bytes, expected {size}")
-        parts = []
+        check_blob_size(digest, length)
+        out: list[bytes] = []
         keys = _chunk_keys(digest, chunks)
-        try:
-            for start in range(0, chunks, 8):  # 32 MiB a round trip
-                parts.extend(self.client.mget(keys[start : start + 8]))
-        except redis.exceptions.ResponseError as err:
-            raise CorruptBlob(digest, f"cannot be read ({err})") from err
-        if any(p is None for p in parts):
-            raise CorruptBlob(digest, "has chunks missing (evicted or removed)")
-        return checked_blob(digest, b"".join(parts), length)
+        for start in range(0, chunks, 8):  # 32 MiB a round trip
+            with self.client.pipeline(transaction=False) as batch:
+                for key in keys[start : start + 8]:
+                    batch.getrange(key, 0, CHUNK_SIZE)  # at most CHUNK_SIZE + 1 bytes
+                parts = batch.execute(raise_on_error=False)
+            for n, part in enumerate(parts, start):
+                expected = min(CHUNK_SIZE, length - n * CHUNK_SIZE)
+                if isinstance(part, redis.exceptions.ConnectionError):
+                    raise part
+                if not isinstance(part, bytes) or len(part) != expected:
+                    raise CorruptBlob(digest, f"has chunk {n} missing or of the wrong size")
+                out.append(part)
+        return checked_blob(digest, b"".join(out), length)
 
+    @_asks()
     def verify(self, digest: str) -> bool:
+        """True when the blob is there whole and matches its digest; False for a blob that
+        is missing or damaged; StoreUnavailable when the server cannot tell."""
         if not is_digest(digest):
             return False
         header = self._header(digest)
@@ -247,16 +319,17 @@ class RedisBlobs:
                 if chunk is None:
                     return False
                 h.update(chunk)
-        except redis.exceptions.RedisError:
+        except redis.exceptions.ResponseError:  # a planted key of another type
             return False
         return h.hexdigest() == digest
 
     def delete(self, digest: str) -> int | None:
-        if not is_digest(digest) or self.readonly:
+        if not is_digest(digest) or self.readonly or self.server.down is not None:
             return None
         try:
             raw = self.client.get(_HEADER + digest)
-        except redis.exceptions.RedisError:
+        except redis.exceptions.RedisError as err:
+            self.server.failed(err)
             return None
         if raw is None:
             return None
@@ -266,11 +339,12 @@ class RedisBlobs:
             with self.client.pipeline(transaction=True) as tx:
                 tx.delete(_HEADER + digest, *_chunk_keys(digest, chunks))
                 tx.execute()
-        except redis.exceptions.RedisError:
+        except redis.exceptions.RedisError as err:
+            self.server.failed(err)
             return None
         return size
 
-    @_unreachable
+    @_asks()
     def all(self) -> Iterator[tuple[str, int, float]]:
         found = []
         keys = [
@@ -288,7 +362,7 @@ class RedisBlobs:
                     found.append((key[len(_HEADER) :], header[0], header[2]))
         return iter(found)
 
-    @_unreachable
+    @_asks(write=True)
     def sweep(self, older_than: float) -> int:
         """Remove published chunks no header names (an interrupted delete); staged chunks
         expire by themselves."""
@@ -302,7 +376,7 @@ class RedisBlobs:
 
         return _delete_matching(self.client, _glob(_CHUNK) + "*", orphan)
 
-    @_unreachable
+    @_asks(write=True)
     def clear(self) -> tuple[int, int]:
         if self.readonly:
             raise read_only_error(self.location)
@@ -375,13 +449,30 @@ def _delete_matching(client: redis.Redis, pattern: str, keep: Callable[[str], bo
     return removed
 
 
+def timeouts() -> tuple[float, float]:
+    """(connect, read) seconds: ``$GRAPHBUILD_CACHE_TIMEOUT`` for both, else the defaults."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if not text:
+        return CONNECT_TIMEOUT, READ_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise CacheError(f"${TIMEOUT_ENV} must be a number of seconds above 0, got {text!r}")
+    return seconds, seconds
+
+
 def open_redis(url: str, *, readonly: bool = False) -> Stores:
     """The stores on the Redis server at ``url`` (``redis://host:port/db``, ``rediss://``
-    or ``unix:///path.sock``); StoreUnavailable when it cannot be reached."""
+    or ``unix:///path.sock``); StoreUnavailable when it cannot be reached, does not answer
+    in time (:func:`timeouts`) or refuses the credentials: a team cache is an optimisation,
+    and a server in any of those states is one this run does without."""
     location = redact(url)
+    connect, read = timeouts()
     try:
         client = redis.Redis.from_url(
-            url, socket_timeout=60, socket_connect_timeout=5, health_check_interval=30
+            url, socket_timeout=read, socket_connect_timeout=connect, health_check_interval=30
         )
     except ValueError as err:
         raise CacheError(f"not a Redis URL: {location} ({err})") from err
@@ -389,13 +480,20 @@ def open_redis(url: str, *, readonly: bool = False) -> Stores:
         client.ping()
     except redis.exceptions.AuthenticationError as err:
         client.close()
-        raise CacheError(f"the shared cache at {location} refused us: {err}") from err
-    except (redis.exceptions.RedisError, OSError) as err:
+        raise StoreUnavailable(
+            f"the shared cache at {location} refused the credentials ({err}); check the user "
+            "and password in the URL"
+        ) from err
+    except redis.exceptions.RedisError as err:
+        client.close()
+        raise StoreUnavailable(f"cannot reach the shared cache at {location}: {_why(err)}") from err
+    except OSError as err:
         client.close()
         raise StoreUnavailable(f"cannot reach the shared cache at {location}: {err}") from err
+    server = _Server(client, location)
     return Stores(
-        index=RedisIndex(client, location, readonly=readonly),
-        blobs=RedisBlobs(client, location, readonly=readonly),
+        index=RedisIndex(server, readonly=readonly),
+        blobs=RedisBlobs(server, readonly=readonly),
         location=location,
         readonly=readonly,
     )

@@ -16,6 +16,7 @@ is read from its manifest (:func:`~graphbuild.cache.manifest.blob_refs`), so mai
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -29,7 +30,10 @@ from graphbuild.cache.local import open_local
 from graphbuild.cache.manifest import (
     InvalidManifest,
     blob_refs,
+    check_explain_record,
     check_manifest,
+    check_memo_record,
+    check_placement_stamp,
     check_run_record,
 )
 from graphbuild.errors import CacheError
@@ -47,6 +51,7 @@ _C = TypeVar("_C", bound="ByteCache")
 _MANIFEST = "m:"
 _LAST = "last:"
 _PLACED = "placed:"
+_MEMO = "memo:"
 _TOUCH_EVERY = 60.0
 
 
@@ -94,6 +99,7 @@ class MaintenanceReport:
     freed_bytes: int = 0
     checked_entries: int = 0
     checked_blobs: int = 0
+    checked_records: int = 0
     corrupt: list[str] | None = None
     quarantined: str | None = None
     notes: list[str] | None = None
@@ -315,6 +321,16 @@ class ByteCache:
     def record_placement(self, key: str, stamp: dict[str, Any]) -> None:
         self._set_record(f"{_PLACED}{key}", stamp)
 
+    def memo(self, key: str) -> dict[str, Any] | None:
+        """A record a new process would otherwise recompute (``engine.source_memo``)."""
+        return self._record(f"{_MEMO}{key}")
+
+    def record_memo(self, key: str, value: dict[str, Any]) -> None:
+        """Keep a memo record; one the cache cannot take only costs the time it saves."""
+        if self._writable and self._index is not None:
+            with contextlib.suppress(OSError):
+                self._index.set_json(f"{_MEMO}{key}", value)
+
     def _record(self, key: str) -> dict[str, Any] | None:
         """A side record (explain, placement); a damaged one only costs what it saves."""
         if self._index is None:
@@ -492,7 +508,31 @@ class ByteCache:
                 report.corrupt.append(f"entry {m['key']} ({m.get('stage', '?')})")
                 if repair and self._remove_entry(k):
                     report.removed_entries += 1
+        if index is not None:
+            self._verify_records(index, report, repair)
         return report
+
+    def _verify_records(self, index: ActionIndex, report: MaintenanceReport, repair: bool) -> None:
+        """Check every side record the store holds (explain records, placement stamps, memo
+        records) for the shape their readers accept; with ``repair`` remove those that fail
+        (each only costs what it would have saved)."""
+        assert report.corrupt is not None
+        for prefix, check in _RECORD_CHECKS.items():
+            for k in list(index.keys(prefix)):
+                report.checked_records += 1
+                try:
+                    record = index.get_json(k)
+                    if record is not None:  # None: removed since it was listed
+                        check(record)
+                except OSError:
+                    raise
+                except Exception as err:
+                    report.corrupt.append(f"record {k[:80]} ({_why(err)})")
+                    if repair:
+                        try:
+                            index.delete(k)
+                        except OSError:
+                            continue
 
     def _remove_entry(self, index_key: str) -> bool:
         self._count("corrupt")
@@ -545,6 +585,13 @@ def _with_remote(local: Stores, url: str, readonly: bool) -> Stores:
         local.close()
         raise
     return layered(local, remote)
+
+
+_RECORD_CHECKS = {
+    _LAST: check_explain_record,
+    _PLACED: check_placement_stamp,
+    _MEMO: check_memo_record,
+}
 
 
 def _why(err: BaseException) -> str:

@@ -31,7 +31,7 @@ from graphbuild.config import Config
 from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
-    from graphbuild.engine.store import Cache, MaintenanceReport
+    from graphbuild.engine.store import Cache, CacheStats, MaintenanceReport
 
 __all__ = ["cache_app"]
 
@@ -46,7 +46,7 @@ def _cache_cfg(config: Path | None) -> Config:
 
 def _maintenance(
     command: str, cache: Cache, run: Callable[[], MaintenanceReport], as_json: bool
-) -> None:
+) -> MaintenanceReport:
     """Run one maintenance operation and report it; the size before it is only listed when
     a person reads the summary (a listing of every blob, on a shared cache every key)."""
     before = None if as_json else cache.size()
@@ -54,7 +54,7 @@ def _maintenance(
     stats = cache.stats()
     if as_json:
         emit_json({"command": command, **report.to_json(), "stats": stats.to_json()})
-        return
+        return report
     console = make_console()
     for problem in report.corrupt or []:
         console.print(Text(f"corrupt: {problem}", style="red"))
@@ -75,6 +75,7 @@ def _maintenance(
             style="dim",
         )
     )
+    return report
 
 
 CacheConfigOpt = ConfigOpt
@@ -158,7 +159,22 @@ def cache_ls(
             f"{e.key[:16]}  {e.stage:<16} {e.pipeline:<20} {human_size(e.bytes):>10} "
             f"{e.seconds:7.2f} s  used {ago(e.last_used)}"
         )
-    typer.echo(f"{len(entries)} entries, {human_size(sum(e.bytes for e in entries))}")
+    typer.echo(_ls_total(entries, cache.stats()))
+
+
+def _ls_total(entries: list, stats: CacheStats) -> str:
+    """The listing's total, beside what ``cache stats`` reports: entries that share an
+    output (the same blob) each count it, the blob store holds it once."""
+    listed = sum(e.bytes for e in entries)
+    line = f"{len(entries)} entries, {human_size(listed)} of outputs"
+    if listed == stats.bytes:
+        return line
+    why = (
+        "an output several entries share is stored once"
+        if listed > stats.bytes
+        else "it also holds blobs no entry uses, until graphbuild cache gc removes them"
+    )
+    return f"{line}; the cache holds {human_size(stats.bytes)} in {stats.blobs} blobs: {why}"
 
 
 @cache_app.command("show")
@@ -251,6 +267,9 @@ def cache_verify(
     config: CacheConfigOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Re-hash every blob; corrupt blobs and the entries using them are removed (misses)."""
+    """Re-hash every blob and check every entry and record; what is corrupt is removed (a
+    miss from then on). Exits 1 when it found anything corrupt, so a script notices."""
     cache = _cache(cache_dir, config, cache_url, repair=repair)
-    _maintenance("verify", cache, lambda: cache.verify(repair=repair), as_json)
+    report = _maintenance("verify", cache, lambda: cache.verify(repair=repair), as_json)
+    if report.corrupt:
+        raise typer.Exit(1)

@@ -30,7 +30,7 @@ from graphbuild.cli.options import (
     load_cli_config,
     open_cache,
 )
-from graphbuild.cli.output import emit_json, make_console
+from graphbuild.cli.output import display_path, emit_json, make_console
 from graphbuild.cli.progress import Progress
 from graphbuild.cli.status import show_status
 from graphbuild.errors import ConfigError, StageError
@@ -139,6 +139,9 @@ def export(
     if dry_run:
         show_status(cfg, cache, as_json)
         return
+    from graphbuild.output.directory import check_output_directory
+
+    check_output_directory(cfg.output_dir, cfg.model_name)  # before the model is even loaded
     from graphbuild.api import export_with_pipeline
     from graphbuild.output.placement import json_safe
 
@@ -174,7 +177,7 @@ def export(
             }
         )
         return
-    if quiet:
+    if quiet:  # for scripts, like --json: absolute paths
         for path in files.values():
             console.print(path, markup=False)
         return
@@ -182,18 +185,23 @@ def export(
     for line in _report_lines(report.extra):
         console.print(Text(f"  {line}"))
     for kind, path in files.items():
-        console.print(Text(f"  {kind:<10} {path}"))
+        console.print(Text(f"  {kind:<10} {display_path(path)}"))
 
 
 def _report_lines(extra: Mapping[str, Any]) -> list[str]:
     """One line per report an export made (coverage, delegation, numerics), for people, and
-    a warning line per degenerate calibrated range."""
+    a warning line per degenerate calibrated range and per tensor in a known HTP defect."""
     lines = []
     coverage = extra.get("coverage")
     if isinstance(coverage, Mapping):
         lines.append(f"coverage   {coverage.get('summary', '')}")
         for entry in coverage.get("degenerate", []):
             lines.append(f"warning    '{entry.get('tensor')}': {entry.get('why')}")
+        for entry in coverage.get("htp_defects", []):
+            lines.append(
+                f"warning    '{entry.get('tensor')}': {entry.get('reason')}; "
+                f"reproduced by {entry.get('reproduction')}"
+            )
     delegation = extra.get("delegation")
     if isinstance(delegation, Mapping):
         lines.append(

@@ -42,12 +42,14 @@ __all__ = [
 
 
 def quiet_torch() -> None:
-    """torch sets its loggers' levels when it is imported: lower them after that."""
+    """torch sets its loggers' levels when it is imported: lower them after that. Called by
+    the commands that build a pipeline (which imports torch anyway), never by those that only
+    read the config or the cache: they start without torch."""
     if debug_enabled():
         return
     import logging
 
-    import torch  # noqa: F401 - the export needs it anyway
+    import torch  # noqa: F401 - its import sets the levels lowered here
 
     logging.getLogger("torch").setLevel(logging.ERROR)
 
@@ -116,7 +118,6 @@ def load_cli_config(
 ) -> Config:
     """The config file with command-line flags applied over it; paths given on the command
     line are relative to the working directory, those in the file to the file's directory."""
-    quiet_torch()
     cwd = Path.cwd()
     overrides: list[Any] = list(sets or [])
     if model is not None:
@@ -207,6 +208,7 @@ def build_request(
 ) -> tuple[ExportRequest, Pipeline]:
     """The export request the config describes and its pipeline (built before anything runs,
     so an unknown target, format or option is a configuration error)."""
+    quiet_torch()
     from graphbuild.api import ExportRequest, build_pipeline
 
     if not cfg.model_name:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import time
-from typing import Any
+import warnings
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 import typer
 from rich.console import Console
@@ -17,11 +20,13 @@ from graphbuild.errors import ConfigError
 __all__ = [
     "ago",
     "debug_enabled",
+    "display_path",
     "emit_json",
     "human_size",
     "make_console",
     "parse_age",
     "parse_size",
+    "warnings_as_lines",
 ]
 
 
@@ -35,9 +40,56 @@ def make_console(stderr: bool = False) -> Console:
     )
 
 
+def display_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as a person reads it: relative to the working directory when it lies inside
+    it (``graphbuild-out/convnet.onnx``), else as given."""
+    text = os.fspath(path)
+    try:
+        cwd = os.getcwd()
+        absolute = os.path.abspath(text)
+    except OSError:
+        return text
+    if absolute == cwd or not absolute.startswith(cwd.rstrip(os.sep) + os.sep):
+        return text
+    return os.path.relpath(absolute, cwd)
+
+
 def debug_enabled() -> bool:
     """``GRAPHBUILD_DEBUG`` is set: show tracebacks and library warnings."""
     return os.environ.get("GRAPHBUILD_DEBUG", "").lower() not in ("", "0", "false", "no")
+
+
+@contextlib.contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """While a command runs, each warning prints once, as one ``warning: ...`` line on stderr
+    (never Python's two lines with a source location); a warning the run's report carries
+    (:class:`~graphbuild.errors.ReportedWarning`) is left to the report. With
+    ``GRAPHBUILD_DEBUG`` set the line also names the category and where it was raised."""
+    from graphbuild.errors import ReportedWarning
+
+    shown: set[str] = set()
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if issubclass(category, ReportedWarning):
+            return
+        text = " ".join(str(message).split())
+        text = text.removeprefix("graphbuild: ")
+        if text in shown:
+            return
+        shown.add(text)
+        where = f" ({category.__name__} at {filename}:{lineno})" if debug_enabled() else ""
+        typer.echo(f"warning: {text}{where}", err=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def emit_json(doc: Any) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.text import Text
 
+from graphbuild.cli.errors import first_line
 from graphbuild.engine.status import StageStatus
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class Progress:
         self.quiet = quiet
         self.live = console.is_terminal and not quiet
         self._status: Any = None
+        self._skipped: list[StageEvent] = []
 
     def __enter__(self) -> Progress:
         if self.live:
@@ -46,6 +48,7 @@ class Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._flush_skipped()
         if self._status is not None:
             self._status.stop()
             self._status = None
@@ -65,8 +68,26 @@ class Progress:
             return
         if self.quiet or kind not in _STYLES:
             return
+        if kind == "skipped":
+            self._skipped.append(event)
+            return
+        self._flush_skipped()
         self.console.print(self.line(event))
         self._spin("working…")
+
+    def _flush_skipped(self) -> None:
+        """Stages skipped after a failure, on one line: the failure is what matters."""
+        events, self._skipped = self._skipped, []
+        if len(events) == 1:
+            self.console.print(self.line(events[0]))
+        elif events:
+            symbol, style = _STYLES["skipped"]
+            text = Text(f"{symbol} " if self.live else "")
+            text.append(f"{'(' + str(len(events)) + ' stages)':<16} ")
+            text.append(f"{'skipped':<7}", style=style if self.live else "")
+            names = ", ".join(e.stage for e in events)
+            text.append(f"  upstream did not complete: {names}", style="dim" if self.live else "")
+            self.console.print(text)
 
     def line(self, event: StageEvent) -> Text:
         """``capture          ran        2.31 s  ctx.quantizer: w8a16 -> w8a8``."""
@@ -81,7 +102,7 @@ class Progress:
             text.append(f" {event.seconds:7.2f} s")
         detail = event.reason
         if kind == "failed" and event.error is not None:
-            detail = f"{type(event.error).__name__}: {event.error}"
+            detail = f"{type(event.error).__name__}: {first_line(event.error)[0]}"
         elif kind == "cutoff":
             detail = "early cutoff: upstream output unchanged"
         if detail:

@@ -151,6 +151,10 @@ def explain(
         if not s["changes"] or pending:
             note = s["reason"] if not s["changes"] else f"also downstream of dirty {pending}"
             console.print(Text(f"    {note}", style="dim"))
+        if last and last.get("changes"):
+            console.print(Text("    why that run ran:", style="dim"))
+            for c in last["changes"]:
+                console.print(Text(f"      {c['read']}: {_short(c['old'])} -> {_short(c['new'])}"))
 
 
 def _short(value: Any) -> str:

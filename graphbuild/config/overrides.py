@@ -36,7 +36,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _apply_override(table: dict[str, Any], key: str, value: Any) -> None:
+def _apply_override(table: dict[str, Any], key: str, value: Any) -> str:
+    """Set ``key`` (dotted into tables) to ``value`` in ``table``; the key as the table
+    spells it (a bare option name is ``options.<name>``)."""
     head, dot, tail = key.partition(".")
     top = _top_keys()
     if not dot and head not in top and _option_targets(head):
@@ -45,7 +47,7 @@ def _apply_override(table: dict[str, Any], key: str, value: Any) -> None:
         if head not in top:
             raise ConfigError(f"--set: unknown top-level key '{head}'{_suggest(head, top)}")
         table[head] = value
-        return
+        return head
     if head not in _TABLES and head != "options":
         known = [f"{t}.{k}" for t, schema in _TABLES.items() for k in schema] + list(top)
         raise ConfigError(f"--set: unknown key '{key}'{_suggest(key, known)}")
@@ -62,5 +64,7 @@ def _apply_override(table: dict[str, Any], key: str, value: Any) -> None:
         sub = sub.setdefault(option, {})
         if not isinstance(sub, dict):
             raise ConfigError(f"--set {key}: 'options.{option}' is not a table")
-        tail = entry
+        sub[entry] = value
+        return f"{head}.{option}"
     sub[tail] = value
+    return f"{head}.{tail}"

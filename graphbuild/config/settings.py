@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,8 @@ class Config:
     quantizer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()
+    #: keys the command line set (``--set`` and flags), as the table spells them
+    overridden: frozenset[str] = frozenset()
 
     @property
     def run_id(self) -> str:
@@ -79,6 +81,12 @@ class Config:
     @property
     def where(self) -> str:
         return str(self.source) if self.source else "command line"
+
+    def where_of(self, key: str) -> str:
+        """Where ``key``'s value came from: the file, or the file ``(with --set)`` when the
+        command line set that key (or one inside it), so an error blames the right place."""
+        given = any(k == key or k.startswith(f"{key}.") for k in self.overridden)
+        return f"{self.where} (with --set)" if given and self.source else self.where
 
     # ----------------------------------------------------------------- imports
 
@@ -167,7 +175,8 @@ class Config:
             if self.preset not in known:
                 hint = _suggest(self.preset, known).replace("Known keys", "Known presets")
                 raise ConfigError(
-                    f"{self.where}: unknown quantization preset '{self.preset}'{hint}"
+                    f"{self.where_of('quantization.preset')}: unknown quantization preset "
+                    f"'{self.preset}'{hint}"
                 )
             return self.preset
         if self.quantizer is None:
@@ -210,7 +219,7 @@ class Config:
         try:
             return target.make_options(options)
         except ConfigError as err:
-            raise ConfigError(f"{self.where}: [options] {err}") from err
+            raise ConfigError(f"{self.where_of('options')}: [options] {err}") from err
 
 
 def load_config(
@@ -250,10 +259,9 @@ def load_config(
     where = str(source) if source else "command line"
     _validate(table, where)
     dropped = _drop_model_keys(table, pairs, root)
-    for key, value in pairs:
-        _apply_override(table, key, value)
+    overridden = frozenset(_apply_override(table, key, value) for key, value in pairs)
     _validate(table, f"{where} (with --set)" if pairs else where)
-    return _build(table, root, source, dropped)
+    return replace(_build(table, root, source, dropped), overridden=overridden)
 
 
 def _drop_model_keys(table: dict[str, Any], pairs: list[Any], root: Path) -> tuple[str, ...]:

@@ -1,15 +1,15 @@
 """Specs: ``file.py:attr`` and ``module:attr`` strings, resolved to the objects they name.
 
-A file is imported under a name of its own (its siblings importable as in a script); a module
-by its import name. What a spec names may be called (a factory) when it takes no arguments.
+A file is imported under the name Python's import gives it (its package path, the same in
+every checkout; its siblings importable as in a script); a module by its import name. What a spec names may be called (a factory) when it takes no arguments.
 """
 
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib
 import importlib.util
+import keyword
 import os
 import re
 import sys
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.errors import ConfigError
+from graphbuild.hashing import digest_bytes
 
 
 def _split(spec: str, key: str) -> tuple[str, str]:
@@ -49,23 +50,89 @@ def _on_path(directory: Path, front: bool) -> None:
         sys.path.append(entry)
 
 
-def _module_name(path: Path) -> str:
-    """A stable module name for a file: the same file always loads under the same name, so
-    the class names and source files that structure fingerprints record do not change from
-    one run (or process) to the next."""
+def _package_name(path: Path) -> tuple[str, Path] | None:
+    """The name Python's own import gives ``path`` from the directory above its packages
+    (directories holding ``__init__.py``), and that directory: ``examples/convnet.py`` in a
+    package ``examples`` is ``examples.convnet``, as ``from examples import convnet`` names
+    it. None when a part is not an identifier."""
+    parts = [path.stem]
+    base = path.parent
+    while (base / "__init__.py").is_file() and base.parent != base:
+        parts.insert(0, base.name)
+        base = base.parent
+    if not all(p.isidentifier() and not keyword.iskeyword(p) for p in parts):
+        return None
+    return ".".join(parts), base
+
+
+def _fallback_name(path: Path) -> str:
+    """A name for a file whose own name is taken (``json.py``, a second ``model.py``): its stem
+    and the digest of its bytes, so it is the same in every checkout and process."""
     stem = re.sub(r"\W", "_", path.stem)
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    return f"graphbuild_user_{stem}_{digest}"
+    return f"graphbuild_user_{stem}_{digest_bytes(path.read_bytes())[:12]}"
+
+
+def _same_file(module: Any, path: Path) -> bool:
+    where = getattr(module, "__file__", None)
+    try:
+        return bool(where) and os.path.samefile(where, path)
+    except OSError:
+        return False
+
+
+def _top_level_is_ours(top: str, base: Path) -> bool:
+    """True when the top-level name ``top`` imports from ``base`` (and not from another
+    directory on ``sys.path``, the standard library or an installed package)."""
+    loaded = sys.modules.get(top)
+    if loaded is not None:
+        places = [getattr(loaded, "__file__", None), *getattr(loaded, "__path__", ())]
+    else:
+        try:
+            found = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+        except (ImportError, ValueError):
+            return False
+        if found is None:
+            return False
+        places = [found.origin, *(found.submodule_search_locations or ())]
+    mine = {base / top, base / f"{top}.py"}
+    for place in places:
+        if not place:
+            continue
+        try:
+            if any(m.exists() and os.path.samefile(place, m) for m in mine):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _load_file(path: Path, spec: str) -> Any:
+    """The module of the file ``path``, imported under the name Python's import gives it
+    (:func:`_package_name`), never one derived from where the checkout is: class names and
+    ``nn_module_stack`` entries reach structure keys and ONNX metadata, which must be the
+    same in every clone and for the Python API. Where that name is taken by another module,
+    a name from the file's contents (:func:`_fallback_name`)."""
     if not path.is_file():
         raise ConfigError(f"{spec!r}: file {path} does not exist")
-    name = _module_name(path)
-    module = sys.modules.get(name)
-    if module is not None:
-        return module
     _on_path(path.parent, front=False)  # its sibling modules import as in a script
+    found = _package_name(path)
+    if found is not None:
+        name, base = found
+        module = sys.modules.get(name)
+        if module is not None and _same_file(module, path):
+            return module
+        _on_path(base, front=False)
+        if module is None and _top_level_is_ours(name.split(".")[0], base):
+            module = _import_module(name, spec)
+            if _same_file(module, path):
+                return module
+    return _exec_file(path, _fallback_name(path), spec)
+
+
+def _exec_file(path: Path, name: str, spec: str) -> Any:
+    module = sys.modules.get(name)
+    if module is not None and _same_file(module, path):
+        return module
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
         raise ConfigError(f"{spec!r}: cannot load {path} as a Python module")

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from graphbuild.engine import source_memo, sources
 from graphbuild.engine.sources import (
     file_digest,
     find_file,
@@ -55,6 +56,7 @@ from graphbuild.errors import FingerprintError
 __all__ = [
     "class_named_by",
     "code_closure",
+    "forget",
     "function_files",
     "is_library",
     "library_version",
@@ -89,10 +91,54 @@ _info_cache: dict[tuple[str, str, str], _ModuleInfo] = {}
 
 
 def _module_info(path: str, name: str) -> _ModuleInfo:
-    ident = (path, name, file_digest(path))
-    if ident not in _info_cache:
-        _info_cache[ident] = _parse_module(Path(path).read_bytes(), path, name)
-    return _info_cache[ident]
+    """What file ``path`` (module ``name``) defines and uses: parsed once per process and
+    file version, and kept in the run's cache (:mod:`~graphbuild.engine.source_memo`) for
+    the next process, named by the file's digest."""
+    digest = file_digest(path)
+    ident = (path, name, digest)
+    info = _info_cache.get(ident)
+    if info is None:
+        is_init = os.path.basename(path) == "__init__.py"
+        key = source_memo.record_key("module", name, is_init, digest, file_digest(__file__))
+        info = _info_from_json(source_memo.get(key, "module"))
+        if info is None:
+            info = _parse_module(Path(path).read_bytes(), path, name)
+            source_memo.put(key, "module", _info_to_json(info))
+        _info_cache[ident] = info
+    return info
+
+
+def _info_to_json(info: _ModuleInfo) -> dict[str, Any]:
+    return {
+        "package": info.package,
+        "uses": {n: [list(need) for need in needs] for n, needs in info.uses.items()},
+        "star": list(info.star),
+    }
+
+
+def _info_from_json(value: Any) -> _ModuleInfo | None:
+    """A summary as :func:`_info_to_json` wrote it; None for anything else (read from a
+    cache: untrusted)."""
+    if type(value) is not dict or type(value.get("package")) is not str:
+        return None
+    uses, star = value.get("uses"), value.get("star")
+    if type(uses) is not dict or type(star) is not list or not all(type(m) is str for m in star):
+        return None
+    info = _ModuleInfo(value["package"], star=list(star))
+    for bound, needs in uses.items():
+        if type(needs) is not list:
+            return None
+        for need in needs:
+            if (
+                type(need) is not list
+                or len(need) != 3
+                or type(need[0]) is not str
+                or type(need[1]) not in (str, type(None))
+                or type(need[2]) is not bool
+            ):
+                return None
+        info.uses[bound] = [(m, n, strict) for m, n, strict in needs]
+    return info
 
 
 def _parse(source: bytes | str, path: str) -> ast.Module:
@@ -403,6 +449,15 @@ class _Memo:
 
 
 _MEMO = _Memo()
+
+
+def forget() -> None:
+    """Forget every closure, summary and version this process computed, as a new process
+    starts (what the run's cache keeps for the next process stays)."""
+    with _MEMO.lock:
+        _MEMO.entries.clear()
+    _info_cache.clear()
+    sources.forget()
 
 
 def name_closure(needs: Iterable[Need], *, own: bool = False) -> dict[str, str]:

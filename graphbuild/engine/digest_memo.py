@@ -18,8 +18,10 @@ The rule, from what torch's version counter does and does not see:
 
 So within one run, which reads its input once and relies on the model staying as it is
 while it runs, a token is enough: ``weight_digests`` reuses the digests ``input.state``
-computed moments before. Across runs it is not, and reuse across runs happens only when the
-caller promises that weights change through torch ops only (:func:`reuse_across_runs`).
+computed moments before. Outside a run (:func:`begin_run` to :func:`end_run`) and across
+runs it is not: a caller of ``state_digests`` may have written through ``.data`` since.
+Reuse across runs happens only when the caller promises that weights change through torch
+ops only (:func:`reuse_across_runs`).
 Check mode (``--check-fingerprints``) hashes every tensor and fails loudly where a reused
 digest is wrong.
 """
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "begin_run",
     "clear",
+    "end_run",
     "lookup",
     "remember",
     "reusable",
@@ -43,10 +46,13 @@ __all__ = [
     "reusing_across_runs",
 ]
 
-_lock = threading.Lock()
+# re-entrant: a remembered tensor freed while the lock is held (the garbage collector runs
+# on any allocation) calls _forget from the same thread
+_lock = threading.RLock()
 _entries: dict[int, tuple[Any, Any, tuple, str, int]] = {}  # id -> (ref, storage ref, token,
 # digest, run)
 _run = 0
+_in_run = False
 _across_runs = False
 
 
@@ -65,9 +71,18 @@ def reusing_across_runs() -> bool:
 
 def begin_run() -> None:
     """A new run starts: digests of earlier runs are reused only across runs."""
-    global _run
+    global _run, _in_run
     with _lock:
         _run += 1
+        _in_run = True
+
+
+def end_run() -> None:
+    """The run is over: what it hashed is reused again only across runs (a ``.data`` write
+    after it must not leave a public digest stale)."""
+    global _in_run
+    with _lock:
+        _in_run = False
 
 
 def _token(t: torch.Tensor) -> tuple:
@@ -86,11 +101,11 @@ def lookup(t: torch.Tensor) -> str | None:
     """The digest remembered for ``t`` if its token is unchanged and reuse is allowed."""
     with _lock:
         entry = _entries.get(id(t))
-        run = _run
+        run, in_run = _run, _in_run
     if entry is None:
         return None
     ref, storage_ref, token, digest, when = entry
-    if when != run and not _across_runs:
+    if (when != run or not in_run) and not _across_runs:
         return None
     if ref() is not t or storage_ref() is not t.untyped_storage() or _token(t) != token:
         return None

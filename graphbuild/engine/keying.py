@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from graphbuild.engine import digest_memo
+from graphbuild.engine import source_memo
 from graphbuild.engine.events import Change, StageRecord
 from graphbuild.engine.explain import explain_changes
 from graphbuild.engine.fingerprint import (
@@ -98,7 +98,7 @@ class Keys:
         self.run_id = run_id
         self.order = pipeline.order()
         self.facets = InputFacets(pipeline_input, samples)
-        digest_memo.begin_run()  # digests of earlier runs: only where reuse across runs is on
+        source_memo.use(cache)  # what a closure parses is kept there for the next process
         self.toolchain = toolchain_versions()
         self._codec_versions: dict[str, str] = {}
         self.states: dict[str, StageState] = {}

@@ -120,6 +120,11 @@ def explain_plan(
                     "when": last.get("when"),
                     "key": last.get("key"),
                     "seconds": last.get("seconds"),
+                    "reason": last.get("reason"),
+                    "changes": [
+                        {"read": read, "old": old, "new": new}
+                        for read, old, new in last.get("changes", [])
+                    ],
                 },
                 "changes": [asdict(c) for c in changes],
                 "dirty_upstream": pending,

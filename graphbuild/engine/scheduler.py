@@ -12,12 +12,15 @@ stage are :mod:`~graphbuild.engine.guard`, the background writes
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from graphbuild.cache.manifest import bytes_stored
+from graphbuild.engine import digest_memo, source_memo
 from graphbuild.engine.checking import check_mode
 from graphbuild.engine.codecs import encode
 from graphbuild.engine.events import Change, EventKind, RunReport, StageEvent, StageRecord
@@ -361,7 +364,8 @@ class _Run(Keys):
         if last and last.get("key") == rec.key and last.get("digest") == rec.digest:
             return
         snap = self.snapshot(name)
-        snap.update(status=rec.status, when=time.time(), seconds=rec.seconds)
+        snap.update(status=rec.status, when=time.time(), seconds=rec.seconds, reason=rec.reason)
+        snap["changes"] = [[c.read, c.old, c.new] for c in rec.changes]  # why it ran: explain
         self.cache.record_run(self.run_id, name, snap)
 
     def _why(self, name: str, key: str | None, reason: str | None) -> tuple[str, list[Change]]:
@@ -413,6 +417,25 @@ class RunResult:
             finish()
 
 
+@contextlib.contextmanager
+def _collecting_what_the_run_allocates() -> Iterator[None]:
+    """While the run lasts, the garbage collector leaves alone the objects that existed before
+    it (``gc.freeze``) and collects what the run allocates as usual. A process that imported
+    torch and transformers and built a model holds millions of objects; each full collection
+    the run's allocations set off would walk them all, for nothing (a warm run's keys are
+    small objects that die young): in a fresh CLI process that was most of a warm export's own
+    time. Afterwards everything is collectable again. A process that freezes objects itself
+    is left to do so."""
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run_pipeline(
     pipeline: Pipeline,
     pipeline_input: Any,
@@ -432,14 +455,18 @@ def run_pipeline(
     unless ``background_writes``, the call returns once they are stored (with it, the
     caller overlaps its own work and then calls ``RunResult.wait_for_cache``)."""
     run = _Run(pipeline, pipeline_input, samples, context, cache, force, listeners, run_id, check)
+    digest_memo.begin_run()  # a tensor is hashed once in the run; earlier digests: see there
     try:
-        with check_mode(bool(run.check)):  # reused values and digests are recomputed too
+        with check_mode(bool(run.check)), _collecting_what_the_run_allocates():
             if run.check:
                 verify_reused_digests()
             report = run.run()
     except BaseException:
         run.finish_writes()
         raise
+    finally:
+        digest_memo.end_run()
+        source_memo.use(None)  # the run's cache may be closed once the run is over
     if run.failure is not None or not background_writes:
         run.finish_writes()
     if run.failure is not None:

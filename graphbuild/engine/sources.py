@@ -22,11 +22,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from graphbuild.engine import source_memo
 from graphbuild.hashing import digest_bytes
 
 __all__ = [
     "file_digest",
     "find_file",
+    "forget",
     "is_library",
     "is_own",
     "library_label",
@@ -53,11 +55,46 @@ def _distributions() -> Mapping[str, list[str]]:
     return importlib.metadata.packages_distributions()
 
 
-@functools.cache
 def library_version(module_name: str) -> str:
+    """What an installed library counts as: the Python minor version for the standard library
+    (never the build: two builds of 3.11 share a cache), else its distribution's version.
+    Read from the installed metadata once per process, and kept in the run's cache for the
+    next process while the ``sys.path`` directories are as they were
+    (:func:`~graphbuild.engine.source_memo.environment_stamp`)."""
     top = module_name.split(".")[0]
     if top in sys.stdlib_module_names or top == "builtins":
-        return f"python {sys.version.split()[0]}"
+        return f"python {sys.version_info[0]}.{sys.version_info[1]}"
+    known = _versions.get(top)
+    if known is None:
+        table, key = _installed()
+        known = table.get(top) if type(table.get(top)) is str else None
+        if known is None:
+            known = _read_version(top)
+            table[top] = known
+            if key is not None:
+                source_memo.put(key, "library versions", dict(sorted(table.items())))
+        _versions[top] = known
+    return known
+
+
+_versions: dict[str, str] = {}
+_tables: dict[str, dict[str, Any]] = {}
+
+
+def _installed() -> tuple[dict[str, Any], str | None]:
+    """The versions known for this environment (read from the run's cache once), and the
+    name of their record (None while the environment is changing)."""
+    stamp = source_memo.environment_stamp()
+    if stamp is None:
+        return {}, None
+    key = source_memo.record_key("library versions", stamp)
+    if key not in _tables:
+        found = source_memo.get(key, "library versions")
+        _tables[key] = dict(found) if type(found) is dict else {}
+    return _tables[key], key
+
+
+def _read_version(top: str) -> str:
     try:  # the common case, import name == distribution name: no scan of every package
         return f"{top} {importlib.metadata.version(top)}"
     except (importlib.metadata.PackageNotFoundError, ValueError):
@@ -70,6 +107,17 @@ def library_version(module_name: str) -> str:
         except importlib.metadata.PackageNotFoundError:
             continue
     return ", ".join(sorted(versions)) or f"{top} (unversioned)"
+
+
+def forget() -> None:
+    """Forget what this process learnt about files and libraries (tests: a new process)."""
+    _versions.clear()
+    _tables.clear()
+    _file_cache.clear()
+    _distributions.cache_clear()
+    _is_library_package.cache_clear()
+    is_library.cache_clear()
+    _library_roots.cache_clear()
 
 
 #: A file modified less than this long before its digest was taken may be rewritten within

@@ -384,6 +384,8 @@ def _spec(qid: int, anchor: Node, m: Match, program: ExportedProgram) -> QuantSp
         scale=m.scale,
         zero_point=m.zero_point,
         symmetric=m.symmetric,
+        block_scale_bits=m.block_scale_bits,
+        channel_axis=m.channel_axis,
     )
 
 

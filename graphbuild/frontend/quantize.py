@@ -19,6 +19,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from torchao.quantization.pt2e.quantizer import Quantizer
 
 from graphbuild.errors import ConfigError, ExportError
+from graphbuild.frontend.capture import dynamic_shapes_of
 from graphbuild.frontend.devices import HostState, to_device
 from graphbuild.frontend.presets import QUANTIZER_PRESETS, register_preset
 
@@ -90,6 +91,10 @@ def quantize(
     ``fold_quantize`` the weights are stored quantized (integer constants followed by a
     dequantize), as back ends that consume integer weights (ExecuTorch) expect.
 
+    A quantizer with a ``transform_before_prepare(module)`` method has it applied first (torchao
+    folds BatchNorm into convolutions before ``transform_for_annotation``, and refuses a
+    convolution whose bias is computed).
+
     An activation quantizer that saw ``inf`` or ``nan`` (an additive ``-inf`` attention mask)
     has no valid scale: an :class:`ExportError`, or with ``drop_non_finite`` the tensor stays
     float and is listed in ``left_float``.
@@ -102,12 +107,17 @@ def quantize(
     sample_inputs = to_device(tuple(sample_inputs), "cpu")
     module = program.module()
     load_state(module, program, HostState(state))
+    before = getattr(resolved, "transform_before_prepare", None)
+    if callable(before):  # ahead of torchao's conv-BatchNorm folding, which prepare starts with
+        module = before(module)
     prepared = prepare_pt2e(module, resolved)
     _calibrate(prepared, calibration, sample_inputs)
     degenerate = _degenerate_ranges(prepared)
     left_float = _check_observed_ranges(prepared, drop=drop_non_finite)
     converted = convert_pt2e(prepared, fold_quantize=fold_quantize)
-    return Quantized(torch.export.export(converted, sample_inputs), left_float, degenerate)
+    shapes = dynamic_shapes_of(program)  # dims the capture kept dynamic stay dynamic
+    program = torch.export.export(converted, sample_inputs, dynamic_shapes=shapes)
+    return Quantized(program, left_float, degenerate)
 
 
 def resolve_quantizer(quantizer: str | Quantizer) -> Quantizer:

@@ -18,6 +18,7 @@ from torch.fx import Node
 
 from graphbuild.errors import ExportError
 from graphbuild.frontend.recognizers import aten_name, get_arg, stored_tensor
+from graphbuild.quant import lpbq
 from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues, ValueRef
 
 __all__ = [
@@ -37,6 +38,7 @@ VALUE_OPS = frozenset(
         "add.Scalar",
         "add.Tensor",
         "alias.default",
+        "amax.default",
         "clamp.default",
         "clamp.Tensor",
         "clamp_max.default",
@@ -60,6 +62,7 @@ VALUE_OPS = frozenset(
         "sub.Tensor",
         "to.dtype",
         "view.default",
+        "zeros_like.default",
         "_to_copy.default",
     }
 )
@@ -158,7 +161,24 @@ def _qparams(spec: QuantSpec, resolve: Callable[[ValueRef], torch.Tensor]) -> QP
         zero_point = zero_point.to(torch.int64)
     if spec.block_size is None:
         scale, zero_point = scale.reshape(-1), zero_point.reshape(-1)
+    if spec.block_scale_bits is not None:
+        return _lpbq_qparams(spec, scale, zero_point)
     return QParams(scale.clone(), zero_point.clone())
+
+
+def _lpbq_qparams(spec: QuantSpec, scale: torch.Tensor, zero_point: torch.Tensor) -> QParams:
+    """An LPBQ quantizer's values: its block scales compressed (:func:`lpbq.compress`; a
+    model's own LPBQ scales come back unchanged), zero points 0 (LPBQ is symmetric)."""
+    if bool((zero_point != 0).any()):
+        raise ExportError(
+            f"quantizer {spec.qid} ({spec.op} at {spec.node}) is LPBQ, which is symmetric, "
+            f"but has non-zero zero points"
+        )
+    if spec.axis is None:
+        raise ExportError(f"quantizer {spec.qid} is LPBQ but has no block axis")
+    ints, channel, effective = lpbq.compress(scale, spec.axis, int(spec.block_scale_bits))
+    zeros = torch.zeros(effective.shape, dtype=torch.int64)
+    return QParams(effective, zeros, channel, ints)
 
 
 def _ref_key(ref: ValueRef) -> str:

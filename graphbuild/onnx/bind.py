@@ -29,8 +29,16 @@ from graphbuild.engine.fingerprint import tensor_digest
 from graphbuild.engine.parallel import parallel_map
 from graphbuild.errors import ExportError
 from graphbuild.hashing import digest_bytes, digest_json
-from graphbuild.onnx.fakequant import broadcast_qparam, fake_quantize
-from graphbuild.onnx.lower import QID_KEY, QPARAMS_LOCATION, ROLE_KEY, SOURCE_KEY, dtype_range
+from graphbuild.onnx.fakequant import broadcast_qparam, fake_quantize, rounded_quotient
+from graphbuild.onnx.lower import (
+    QID_KEY,
+    QPARAMS_LOCATION,
+    ROLE_KEY,
+    SOURCE_KEY,
+    WEIGHT_QID_KEY,
+    dtype_range,
+)
+from graphbuild.onnx.lpbq import PERM_KEY
 from graphbuild.onnx.skeleton import STATE_LOCATION
 from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 
@@ -205,7 +213,8 @@ class _Planner:
     def _key(self, kind: str, init: onnx.TensorProto, source: str, spec: QuantSpec) -> str:
         grid = [spec.bits, spec.signed, spec.qmin, spec.qmax, spec.axis, spec.block_size]
         values = self._qparams_digest(spec.qid)
-        return digest_json([kind, init.data_type, list(init.dims), source, grid, values])
+        perm = _metadata(init).get(PERM_KEY)
+        return digest_json([kind, init.data_type, list(init.dims), source, grid, values, perm])
 
     def _qparams_digest(self, qid: int) -> str:
         if qid not in self._qparam_digests:
@@ -285,9 +294,31 @@ def _qparam_value(
     init: onnx.TensorProto, state: Mapping[str, torch.Tensor], qmap: QuantMap, qvalues: QuantValues
 ) -> torch.Tensor:
     meta = _metadata(init)
+    perm = meta.get(PERM_KEY)
+    if perm is None:
+        return _qparam_value_as_laid(init, meta, state, qmap, qvalues, tuple(init.dims))
+    order = [int(a) for a in perm.split(",")]
+    dims = tuple(init.dims)
+    if sorted(order) != list(range(len(dims))):
+        raise ExportError(f"'{init.name}': permutation {perm} does not fit dims {dims}")
+    unpermuted = tuple(dims[order.index(i)] for i in range(len(dims)))
+    value = _qparam_value_as_laid(init, meta, state, qmap, qvalues, unpermuted)
+    return value.reshape(unpermuted).permute(order).contiguous()
+
+
+def _qparam_value_as_laid(
+    init: onnx.TensorProto,
+    meta: Mapping[str, str],
+    state: Mapping[str, torch.Tensor],
+    qmap: QuantMap,
+    qvalues: QuantValues,
+    dims: tuple[int, ...],
+) -> torch.Tensor:
+    """The value of a qparams reference in the layout of the quantizer's tensor."""
     qid, role = int(meta[QID_KEY]), meta[ROLE_KEY]
     spec, qp = qmap[qid], _quant_values(qid, qvalues)
-    dims = tuple(init.dims)
+    if role in _LPBQ_ROLES:
+        return _lpbq_value(init, spec, qp, role, dims)
     if role in ("scale", "zero_point"):
         value = qp.scale if role == "scale" else qp.zero_point
         if value.numel() != math.prod(dims):
@@ -295,6 +326,7 @@ def _qparam_value(
                 f"quantizer {qid}: {role} has {value.numel()} values, '{init.name}' needs {dims}"
             )
         if role == "zero_point":
+            value = _in_container(init, spec, value.detach())
             _check_zero_point(init, spec, value)
         return value.detach().reshape(dims)
     if role in ("clip_min", "clip_max"):
@@ -306,8 +338,59 @@ def _qparam_value(
         x = _state_tensor(meta[SOURCE_KEY], state).float()
         s = broadcast_qparam(qp.scale.detach().float(), spec, tuple(x.shape))
         z = broadcast_qparam(qp.zero_point.detach().float(), spec, tuple(x.shape))
-        return torch.clamp(torch.round(x / s) + z, spec.qmin, spec.qmax)
+        return torch.clamp(rounded_quotient(x, s, spec) + z, spec.qmin, spec.qmax)
+    if role in ("bias", "bias_scale"):
+        scale = _bias_scale(meta, qvalues, qp).reshape(dims if role == "bias_scale" else -1)
+        if role == "bias_scale":
+            return scale
+        x = _state_tensor(meta[SOURCE_KEY], state).float()
+        if scale.numel() not in (1, x.numel()):
+            raise ExportError(
+                f"'{init.name}': {scale.numel()} bias scales for a bias of {x.numel()} values"
+            )
+        q = torch.round(x / scale.reshape(-1) if scale.numel() > 1 else x / scale.reshape(()))
+        return torch.clamp(q, -(2**31), 2**31 - 1).to(torch.int32)
     raise ExportError(f"initializer '{init.name}' has unknown graphbuild role '{role}'")
+
+
+def _in_container(
+    init: onnx.TensorProto, spec: QuantSpec, zero_point: torch.Tensor
+) -> torch.Tensor:
+    """The zero point as the initializer's container holds it: a signed grid in an unsigned
+    container (or the other way round) is the same grid shifted by half the container."""
+    dtype = ir.DataType(init.data_type)
+    if dtype.is_signed() == spec.signed:
+        return zero_point
+    half = 2 ** (dtype.bitwidth - 1)
+    return zero_point + half if spec.signed else zero_point - half
+
+
+def _bias_scale(meta: Mapping[str, str], qvalues: QuantValues, x: QParams) -> torch.Tensor:
+    """An int32 bias's scale: the input's (per-tensor) scale times the weight's, in float32."""
+    if x.scale.numel() != 1:
+        raise ExportError(f"quantizer {meta[QID_KEY]}: an int32 bias needs a per-tensor input")
+    weight = _quant_values(int(meta[WEIGHT_QID_KEY]), qvalues)
+    return x.scale.detach().float().reshape(()) * weight.scale.detach().float().reshape(-1)
+
+
+_LPBQ_ROLES = ("block_int_scale", "channel_scale", "channel_zero_point")
+
+
+def _lpbq_value(
+    init: onnx.TensorProto, spec: QuantSpec, qp: QParams, role: str, dims: tuple[int, ...]
+) -> torch.Tensor:
+    """An LPBQ quantizer's integer block scales, per-channel float scales or the zero points
+    of the latter (zeros)."""
+    if role == "channel_zero_point":
+        return torch.zeros(dims, dtype=torch.int64)
+    value = qp.block_int_scale if role == "block_int_scale" else qp.channel_scale
+    if value is None:
+        raise ExportError(f"quantizer {spec.qid} has no LPBQ scales for '{init.name}'")
+    if value.numel() != math.prod(dims):
+        raise ExportError(
+            f"quantizer {spec.qid}: {role} has {value.numel()} values, '{init.name}' needs {dims}"
+        )
+    return value.detach().reshape(dims)
 
 
 def _check_zero_point(init: onnx.TensorProto, spec: QuantSpec, value: torch.Tensor) -> None:

@@ -53,7 +53,22 @@ def fake_quantize(x: torch.Tensor, spec: QuantSpec, qparams: QParams) -> torch.T
         return out.to(x.dtype)
     s = broadcast_qparam(scale, spec, tuple(x.shape))
     z = broadcast_qparam(zero_point.float(), spec, tuple(x.shape))
-    return (s * (torch.clamp(torch.round(xf / s) + z, spec.qmin, spec.qmax) - z)).to(x.dtype)
+    return (s * (torch.clamp(rounded_quotient(xf, s, spec) + z, spec.qmin, spec.qmax) - z)).to(
+        x.dtype
+    )
+
+
+#: quantizer ops that multiply by the scale's reciprocal where the others divide by it
+_RECIPROCAL_OPS = ("quantized_decomposed.quantize_per_channel_group",)
+
+
+def rounded_quotient(x: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``round(x / scale)`` (half to even), as the quantizer's own op computes it: torch's
+    ``quantize_per_channel_group`` multiplies by ``1.0 / scale`` (which may round the other
+    way at a tie), FastForward, AIMET and ONNX's QuantizeLinear divide."""
+    if spec.op.startswith(_RECIPROCAL_OPS):
+        return torch.round(x * (1.0 / scale))
+    return torch.round(x / scale)
 
 
 def _fake_quantize_blocked(

@@ -20,6 +20,20 @@ container is kept and the input is clamped to the grid's float range first: per-
 Grids wider than 16 bits (int32 biases) have no QuantizeLinear type: a quantized parameter
 becomes ``DequantizeLinear`` of an int32 initializer ``{name}_quantized`` (role ``quantized``),
 which bind computes from the state tensor; a 32-bit activation is an error.
+
+A target's own Q/DQ forms may add references of two more roles: ``bias_scale``, the product of
+the scales of quantizers :data:`QID_KEY` and :data:`WEIGHT_QID_KEY` (an int32 bias's scale), and
+``bias``, the state tensor :data:`SOURCE_KEY` on that int32 grid. A zero point whose container
+is unsigned while its quantizer's grid is signed (or the other way round) is the same grid
+shifted by half the container's range.
+
+An LPBQ weight (:mod:`graphbuild.quant.lpbq`) is lowered to the form QNN's HTP takes
+(:mod:`graphbuild.onnx.lpbq`): its quantized values (role ``quantized``) dequantized with a
+scale that a ``DequantizeLinear`` makes from the integer block scales (role
+``block_int_scale``, uint8), the per-channel float scales (``channel_scale``) and zero
+points (``channel_zero_point``). A 2-D weight whose only reader is a ``Transpose`` is stored
+transposed and the Transpose dropped; its references then carry :data:`PERM_KEY`, the
+permutation ``bind`` applies.
 """
 
 from __future__ import annotations
@@ -32,8 +46,15 @@ import onnx
 import onnx_ir as ir
 
 from graphbuild.errors import ExportError
+from graphbuild.onnx.lpbq import (
+    MAX_BLOCK_SCALE_BITS,
+    PERM_KEY,
+    foldable_transpose,
+    lpbq_dequantize,
+)
 from graphbuild.onnx.naming import Namer
 from graphbuild.onnx.skeleton import STATE_LOCATION
+from graphbuild.quant.lpbq import lpbq_axes
 from graphbuild.quant.markers import MARKER_DOMAIN, MARKER_OP
 from graphbuild.quant.quantmap import QuantMap, QuantSpec
 
@@ -43,7 +64,19 @@ QPARAMS_LOCATION = "graphbuild:qparams"
 QID_KEY = "graphbuild.qid"
 ROLE_KEY = "graphbuild.role"
 SOURCE_KEY = "graphbuild.source"
-ROLES = ("scale", "zero_point", "clip_min", "clip_max", "quantized")
+WEIGHT_QID_KEY = "graphbuild.weight_qid"
+ROLES = (
+    "scale",
+    "zero_point",
+    "clip_min",
+    "clip_max",
+    "quantized",
+    "bias",
+    "bias_scale",
+    "block_int_scale",
+    "channel_scale",
+    "channel_zero_point",
+)
 
 _CONTAINERS = (
     ir.DataType.INT4,
@@ -215,6 +248,8 @@ class _Lowering:
 
     def _qdq(self, node: ir.Node, spec: QuantSpec) -> ir.Value:
         x = node.inputs[0]
+        if spec.block_scale_bits is not None:
+            return self._lpbq(node, spec, x)
         if spec.bits <= 16:
             dtype, exact = qdq_dtype(spec, self.opset)
         else:
@@ -226,6 +261,67 @@ class _Lowering:
         else:
             new_nodes, y = self._quantize_dequantize(spec, x, qp, exact)
         _replace(node, new_nodes, y)
+        self._drop_if_unused(x)
+        return x
+
+    def _lpbq(self, node: ir.Node, spec: QuantSpec, x: ir.Value) -> ir.Value:
+        """An LPBQ weight in the HTP's form (see :mod:`graphbuild.onnx.lpbq`)."""
+        if not x.is_initializer():
+            raise ExportError(
+                f"quantizer {spec.qid} ({spec.op} at {spec.node}) is LPBQ, which quantizes "
+                f"weights; '{x.name}' is an activation"
+            )
+        if int(spec.block_scale_bits or 0) > MAX_BLOCK_SCALE_BITS:
+            raise ExportError(
+                f"quantizer {spec.qid}: {spec.block_scale_bits}-bit LPBQ block scales do not fit "
+                f"the uint8 QNN reads them as (at most {MAX_BLOCK_SCALE_BITS} bits); use the "
+                "onnx format, whose encodings say them"
+            )
+        dtype, _ = qdq_dtype(spec, self.opset)
+        self._check_opset(spec, dtype, x)
+        dims, grid = _static_shape(spec, x), _qparam_shape(spec, x)
+        channel, block = lpbq_axes(grid, int(spec.axis or 0), spec.channel_axis)
+        transpose = foldable_transpose(node.outputs[0])
+        perm = None
+        if transpose is not None:
+            dims, grid, perm = dims[::-1], grid[::-1], "1,0"
+            channel, block = 1 - channel, 1 - block
+        qid, channels = spec.qid, (grid[channel],)
+        quantized = self._initializer(x, "quantized", qid, dtype, dims, x.name, perm)
+        ints = self._initializer(x, "block_int_scale", qid, ir.DataType.UINT8, grid, perm=perm)
+        chan = self._initializer(x, "channel_scale", qid, x.dtype, channels)
+        chan_zp = self._initializer(x, "channel_zero_point", qid, ir.DataType.UINT8, channels)
+        zero_point = self._initializer(x, "zero_point", qid, dtype, grid, perm=perm)
+        fresh = self.namer.fresh
+        nodes, y = lpbq_dequantize(
+            quantized,
+            ints,
+            chan,
+            chan_zp,
+            zero_point,
+            channel_axis=channel,
+            block_axis=block,
+            block_size=int(spec.block_size or 0),
+            names=(
+                fresh(f"{x.name}_scale_DequantizeLinear"),
+                fresh(f"{x.name}_scale"),
+                fresh(f"{x.name}_DequantizeLinear"),
+                fresh(f"{x.name}_dq"),
+            ),
+            out_type=x.type,
+        )
+        if transpose is None:
+            _replace(node, nodes, y)
+        else:  # the Transpose's readers read the transposed weight
+            graph = node.graph
+            graph.insert_before(node, nodes)
+            t_out = transpose.outputs[0]
+            name = t_out.name
+            t_out.replace_all_uses_with(y, replace_graph_outputs=True)
+            graph.remove(transpose, safe=True)
+            graph.remove(node, safe=True)
+            t_out.name = None
+            y.name = name
         self._drop_if_unused(x)
         return x
 
@@ -257,11 +353,14 @@ class _Lowering:
         dtype: ir.DataType,
         shape: tuple[int, ...],
         source: str | None = None,
+        perm: str | None = None,
     ) -> ir.Value:
         name = self.namer.fresh(f"{x.name}_{role}")
         meta = {QID_KEY: str(qid), ROLE_KEY: role}
         if source is not None:
             meta[SOURCE_KEY] = source
+        if perm is not None:
+            meta[PERM_KEY] = perm
         tensor = ir.ExternalTensor(
             location=QPARAMS_LOCATION,
             offset=0,

@@ -8,6 +8,10 @@
   float constants cast to the type they are used in (``arange``'s start and step); a float
   constant in the graph is one more tensor QNN would quantize. Casts to a float type are
   kept: QNN leaves a Cast's output unquantized, a float constant it would not.
+* :func:`drop_zero_biases`: a Conv, ConvTranspose or Gemm given no bias in torch gets one from
+  the exporter, zeros expanded to the weight's output channels (``Expand(CastLike(0),
+  Shape(W)...)``); QNN refuses a bias computed in the graph (error 3110, and onnxruntime then
+  fails the session even with CPU fallback). The input is dropped: the op has no bias.
 
 Both read only the graph and constants the exporter wrote (code, not state), never a weight.
 """
@@ -21,7 +25,7 @@ import onnx_ir as ir
 
 from graphbuild.onnx.naming import Namer
 
-__all__ = ["FLOAT_TYPES", "fold_constant_casts", "split_sequences"]
+__all__ = ["FLOAT_TYPES", "drop_zero_biases", "fold_constant_casts", "split_sequences"]
 
 #: The ONNX element types QNN counts as float (a Cast to one keeps its output unquantized).
 FLOAT_TYPES = frozenset(
@@ -212,6 +216,42 @@ def _bypass(graph: ir.Graph, node: ir.Node, replacement: ir.Value) -> None:
     out.name = None
     if replacement.is_graph_output():
         replacement.name = name
+
+
+def drop_zero_biases(graph: ir.Graph) -> None:
+    """Drop the bias input of every Conv, ConvTranspose and Gemm whose bias is an ``Expand``
+    of a constant zero (through casts), and the nodes that computed it."""
+    dropped = False
+    for node in list(graph):
+        if node.domain != "" or node.op_type not in ("Conv", "ConvTranspose", "Gemm"):
+            continue
+        if len(node.inputs) != 3 or not _expanded_zero(node.inputs[2]):
+            continue
+        node.resize_inputs(2)
+        dropped = True
+    if dropped:
+        _drop_dead_nodes(graph)
+
+
+def _expanded_zero(value: ir.Value | None) -> bool:
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "Expand" or node.domain != "":
+        return False
+    source = node.inputs[0]
+    while source is not None and source.producer() is not None:
+        producer = source.producer()
+        if producer.op_type not in ("Cast", "CastLike") or producer.domain != "":
+            break
+        source = producer.inputs[0]
+    array = _const_array(source)
+    return array is not None and array.size > 0 and not np.any(array)
+
+
+def _drop_dead_nodes(graph: ir.Graph) -> None:
+    """Remove default-domain nodes none of whose outputs is read or a graph output."""
+    for node in reversed(list(graph)):
+        if node.domain == "" and not any(o.uses() or o.is_graph_output() for o in node.outputs):
+            graph.remove(node, safe=True)
 
 
 def _drop_dead_constants(graph: ir.Graph) -> None:

@@ -22,7 +22,8 @@ from torch.utils import _pytree as pytree
 from graphbuild.compat import onnx_registry_reused
 from graphbuild.errors import ExportError, SkeletonValueError
 from graphbuild.onnx.naming import fresh_name
-from graphbuild.onnx.passes import fold_constant_casts, split_sequences
+from graphbuild.onnx.passes import drop_zero_biases, fold_constant_casts, split_sequences
+from graphbuild.onnx.rmsnorm import name_rms_norms, translation_table
 from graphbuild.quant import markers
 
 STATE_LOCATION = "graphbuild:state"
@@ -52,11 +53,14 @@ def export_skeleton(
 
     Exported with ``optimize=False``: the exporter's optimizer merges equal-valued initializers
     and folds BatchNorm into Conv, both of which depend on values. Sequence splits become
-    ``Split`` and casts of constants are folded (:mod:`graphbuild.onnx.passes`).
+    ``Split`` and casts of constants are folded (:mod:`graphbuild.onnx.passes`); ``rms_norm``
+    is one op at every opset (:mod:`graphbuild.onnx.rmsnorm`).
     """
     model = _torch_export(program, opset)
+    name_rms_norms(model.graph)
     split_sequences(model.graph)
     fold_constant_casts(model.graph)
+    drop_zero_biases(model.graph)
     state, constants = program_tensors(program)
     check_initializers(model.graph, state, constants)
     _reference_state(model.graph, state)
@@ -76,7 +80,10 @@ def _torch_export(program: torch.export.ExportedProgram, opset: int) -> ir.Model
             optimize=False,
             verbose=False,
             opset_version=opset,
-            custom_translation_table=markers.onnx_translation_table(),
+            custom_translation_table={
+                **markers.onnx_translation_table(),
+                **translation_table(opset),
+            },
         )
     return onnx_program.model
 

@@ -21,6 +21,7 @@ placement stamp naming anything else is ignored (DESIGN.md, invariant 11).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from graphbuild.cache.names import is_digest, is_plain_name
+from graphbuild.cache.manifest import InvalidManifest, check_placement_stamp
+from graphbuild.cache.names import is_plain_name
 from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.events import RunReport
 from graphbuild.engine.pipeline import Pipeline
@@ -41,8 +43,9 @@ from graphbuild.engine.store import Cache
 from graphbuild.engine.toolchain import toolchain_versions
 from graphbuild.errors import ExportError
 from graphbuild.hashing import digest_bytes, digest_json
+from graphbuild.output.directory import LOCK_FILE, check_output_directory
 
-LOCK_FILE = "graphbuild.lock.json"
+__all__ = ["LOCK_FILE", "Placement", "check_output_directory", "json_safe", "place_outputs"]
 
 
 @dataclass(frozen=True)
@@ -100,45 +103,14 @@ def allowed_name(name: Any, pipeline: Pipeline, placement: Placement) -> bool:
     return name.startswith(model + ".") and len(name) > len(model) + 1
 
 
-_STAMP_FILE = {"name": str, "xxh3_128": str, "product": str, "bytes": int, "mtime_ns": int}
-
-
 def _valid_stamp(stamp: Any, pipeline: Pipeline, placement: Placement) -> bool:
-    """A placement stamp as :func:`place_outputs` writes it, naming only allowed files."""
-    if type(stamp) is not dict or type(stamp.get("products")) is not dict:
+    """A placement stamp as :func:`place_outputs` writes it (``check_placement_stamp``, which
+    ``cache verify`` runs too), naming only files this pipeline may place."""
+    try:
+        check_placement_stamp(stamp)
+    except InvalidManifest:
         return False
-    if type(stamp.get("files")) is not list or stamp.get("external_data") not in (
-        None,
-        True,
-        False,
-    ):
-        return False
-    for item in stamp["files"]:
-        if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
-            return False
-        f = item[1]
-        if type(f) is not dict or any(type(f.get(k)) is not t for k, t in _STAMP_FILE.items()):
-            return False
-        if not allowed_name(f["name"], pipeline, placement) or not is_digest(f["xxh3_128"]):
-            return False
-        if "ranges" in f and not _valid_ranges(f["ranges"]):
-            return False
-    return True
-
-
-def _valid_ranges(ranges: Any) -> bool:
-    """``[[offset, length, digest], ...]``: what :func:`_place` records for a model file."""
-    if type(ranges) is not list:
-        return False
-    for r in ranges:
-        if type(r) is not list or len(r) != 3:
-            return False
-        offset, length, digest = r
-        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-            return False
-        if not is_digest(digest):
-            return False
-    return True
+    return all(allowed_name(f["name"], pipeline, placement) for _, f in stamp["files"])
 
 
 def _previous_files(stamp: dict[str, Any], placement: Placement) -> list[Any]:
@@ -258,14 +230,24 @@ def _commit(tmp: Path, out_dir: Path, ours: set[str], stale: set[str]) -> None:
     """Make ``tmp``'s files the contents of ``out_dir`` in one step where the platform
     allows: a new directory is renamed into place; an existing one (holding files only) is
     atomically exchanged with ``tmp`` after the files we do not own are hard-linked across.
-    Otherwise files are moved one by one and moved back if a move fails."""
+    Otherwise files are moved one by one and moved back if a move fails. Another export
+    that creates the same new directory first (between our look and our rename) makes it an
+    existing one: ours then replaces its contents whole, and both exports succeed."""
     if not out_dir.exists():
         _fsync_dir(tmp)
         tmp.chmod(0o777 & ~_umask())
-        os.replace(tmp, out_dir)
-        return
+        try:
+            os.replace(tmp, out_dir)
+            return
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not out_dir.is_dir():
+                raise
     entries = list(os.scandir(out_dir))
-    if _exchange is not None and all(not e.is_dir(follow_symlinks=False) for e in entries):
+    if (
+        _exchange is not None
+        and all(not e.is_dir(follow_symlinks=False) for e in entries)
+        and not os.path.ismount(out_dir)  # a mount point cannot be renamed (EBUSY)
+    ):
         for e in entries:
             if e.name not in ours and e.name not in stale:
                 os.link(e.path, tmp / e.name, follow_symlinks=False)

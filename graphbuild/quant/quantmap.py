@@ -47,6 +47,12 @@ class QuantSpec:
     ``block_size`` the block length along ``axis`` (blocked only). ``param`` names the state
     tensor the quantizer acts on when it quantizes a weight or buffer, else ``None``.
     ``symmetric`` is ``None`` when only the values can tell (zero point at the grid's centre).
+
+    Low-power blockwise quantization (LPBQ, AIMET's ``GroupedBlockQuantizeDequantize`` and
+    QNN's ``enc_type: LPBQ``) is a blocked quantizer whose per-block scales are integers in
+    ``[1, 2^block_scale_bits]`` times one float scale per channel along ``channel_axis``
+    (:mod:`graphbuild.quant.lpbq`): ``block_scale_bits`` is set only then, and QNN's
+    decompressed bit-width is ``bits + block_scale_bits``.
     """
 
     qid: int
@@ -62,9 +68,17 @@ class QuantSpec:
     scale: ValueRef | None = None
     zero_point: ValueRef | None = None
     symmetric: bool | None = None
+    block_scale_bits: int | None = None
+    channel_axis: int | None = None
+
+    @property
+    def is_lpbq(self) -> bool:
+        return self.block_scale_bits is not None
 
     @property
     def granularity(self) -> str:
+        if self.block_scale_bits is not None:
+            return "LPBQ"
         if self.block_size is not None:
             return "PER_BLOCK"
         return "PER_TENSOR" if self.axis is None else "PER_CHANNEL"
@@ -74,6 +88,9 @@ class QuantSpec:
         for key in ("scale", "zero_point"):
             ref = getattr(self, key)
             data[key] = ref.to_json() if ref is not None else None
+        for key in _LPBQ_FIELDS:  # the quant maps of every other quantizer read as they did
+            if data[key] is None:
+                del data[key]
         return data
 
     @classmethod
@@ -83,6 +100,9 @@ class QuantSpec:
             if data.get(key) is not None:
                 data[key] = ValueRef(**data[key])
         return cls(**data)
+
+
+_LPBQ_FIELDS = ("block_scale_bits", "channel_axis")
 
 
 @dataclass(frozen=True)
@@ -111,10 +131,17 @@ class QuantMap:
 @dataclass(frozen=True)
 class QParams:
     """A quantizer's values: ``scale`` float32 and ``zero_point`` int64, both 1-D for
-    per-tensor (one element) and per-channel; blocked keeps the weight's rank."""
+    per-tensor (one element) and per-channel; blocked keeps the weight's rank.
+
+    An LPBQ quantizer also has ``channel_scale`` (float32, one per channel) and
+    ``block_int_scale`` (int64, shaped like ``scale``); ``scale`` is then their product, the
+    block scale the quantizer uses (:func:`graphbuild.quant.lpbq.compress`).
+    """
 
     scale: torch.Tensor
     zero_point: torch.Tensor
+    channel_scale: torch.Tensor | None = None
+    block_int_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -134,9 +161,22 @@ class QuantValues:
         for qid, p in sorted(self.values.items()):
             out[f"{qid}.scale"] = p.scale
             out[f"{qid}.zero_point"] = p.zero_point
+            if p.channel_scale is not None and p.block_int_scale is not None:
+                out[f"{qid}.channel_scale"] = p.channel_scale
+                out[f"{qid}.block_int_scale"] = p.block_int_scale
         return out
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> QuantValues:
         qids = sorted({int(k.split(".")[0]) for k in tensors})
-        return cls({q: QParams(tensors[f"{q}.scale"], tensors[f"{q}.zero_point"]) for q in qids})
+        return cls(
+            {
+                q: QParams(
+                    tensors[f"{q}.scale"],
+                    tensors[f"{q}.zero_point"],
+                    tensors.get(f"{q}.channel_scale"),
+                    tensors.get(f"{q}.block_int_scale"),
+                )
+                for q in qids
+            }
+        )

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+from graphbuild.cache.access import why_unwritable
 from graphbuild.cache.base import Stores
 from graphbuild.cache.local.blobs import FileBlobs
 from graphbuild.cache.local.fs import Dir
@@ -134,8 +135,12 @@ def open_local(
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            if not root.is_dir():
-                raise CacheError(f"cannot create the cache at {root}: {err}") from err
+            if not _is_dir(root):
+                raise CacheError(
+                    f"cannot create the cache at {root}: {why_unwritable(err, root)}; choose a "
+                    "cache directory you can write (--cache-dir, $GRAPHBUILD_CACHE_DIR or "
+                    "[cache] dir) or build without one (--no-cache, cache=False)"
+                ) from None
         readonly = not os.access(root, os.W_OK)
     if not readonly:
         _mark(root)
@@ -154,6 +159,13 @@ def open_local(
     else:
         _open_writable(stores, root, repair)
     return stores
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a directory on the way we may not enter
+        return False
 
 
 def _refusal(root: Path) -> str | None:

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from graphbuild.cache.base import CorruptBlob, checked_blob, read_only_error
-from graphbuild.cache.local.fs import Dir, ForeignPath, is_dir_entry, is_file_entry
+from graphbuild.cache.base import CorruptBlob, check_blob_size, checked_blob, read_only_error
+from graphbuild.cache.local.fs import Dir, ForeignPath, WrongSize, is_dir_entry, is_file_entry
 from graphbuild.cache.names import is_digest
 from graphbuild.hashing import Hasher
 
@@ -140,15 +140,21 @@ class FileBlobs:
         return True
 
     def read(self, digest: str, size: int | None = None) -> bytes:
-        """The blob's bytes, checked against its digest; raises CorruptBlob."""
+        """The blob's bytes, checked against its digest; raises CorruptBlob. With ``size``
+        (what the manifest says), a file of another size is not read, and a size this
+        machine could not hold is refused before any byte is (``check_blob_size``)."""
         if not is_digest(digest):
             raise CorruptBlob(str(digest), "is not a digest (32 lowercase hex digits)")
+        if size is not None:
+            check_blob_size(digest, size)
         shard = self._shard(digest)
         if shard is None:
             raise CorruptBlob(digest, "cannot be read (no shard directory of the store's own)")
         try:
             with shard:
-                data = shard.read_bytes(digest[2:])
+                data = shard.read_bytes(digest[2:], size)
+        except WrongSize as err:
+            raise CorruptBlob(digest, str(err)) from err
         except OSError as err:
             raise CorruptBlob(digest, f"cannot be read ({err.strerror or err})") from err
         return checked_blob(digest, data, size)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _BINARY = getattr(os, "O_BINARY", 0)
@@ -42,6 +43,14 @@ _FOREIGN = {errno.ELOOP, errno.ENOTDIR, errno.EMLINK}
 class ForeignPath(OSError):
     """A symbolic link, or something that is not a directory, where the store keeps one of
     its own directories or files."""
+
+
+class WrongSize(OSError):
+    """A file that does not hold the number of bytes expected of it."""
+
+    def __init__(self, found: int, expected: int):
+        super().__init__(f"has {found} bytes, expected {expected}")
+        self.found, self.expected = found, expected
 
 
 def _foreign(where: str, what: str = "is a symbolic link or not a directory") -> ForeignPath:
@@ -144,8 +153,11 @@ class Dir:
         return os.lstat(self.path / name)
 
     def open(self, name: str, flags: int, mode: int = 0o666) -> int:
-        """``os.open`` of a file in this directory, never through a link."""
-        flags |= _NOFOLLOW | _CLOEXEC | _BINARY
+        """``os.open`` of a file in this directory, never through a link, and never waiting:
+        a FIFO planted where the store keeps a file would block a plain open until someone
+        writes to it (regular files ignore ``O_NONBLOCK``). Callers check the type of what
+        they opened (``fstat``) before they read."""
+        flags |= _NOFOLLOW | _CLOEXEC | _BINARY | _NONBLOCK
         try:
             if FD_SAFE:
                 return os.open(name, flags, mode, dir_fd=self.fd)
@@ -157,12 +169,23 @@ class Dir:
                 raise _foreign(str(self.path / name), "is a symbolic link") from err
             raise
 
-    def read_bytes(self, name: str) -> bytes:
+    def read_bytes(self, name: str, size: int | None = None) -> bytes:
+        """The bytes of a regular file; with ``size``, exactly that many or
+        ``WrongSize``: a file of another size is not read (nothing beyond what the caller
+        expects is ever held in memory)."""
         fd = self.open(name, os.O_RDONLY)
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
                 raise _foreign(str(self.path / name), "is not a regular file")
-            return f.read()
+            if size is None:
+                return f.read()
+            if st.st_size != size:
+                raise WrongSize(st.st_size, size)
+            data = f.read(size + 1)  # the file may have grown since the fstat
+            if len(data) != size:
+                raise WrongSize(len(data), size)
+            return data
 
     def replace_into(self, name: str, dest: Dir, dest_name: str) -> None:
         """Atomically rename ``name`` here to ``dest_name`` in ``dest``."""

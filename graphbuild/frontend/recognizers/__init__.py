@@ -30,7 +30,7 @@ from graphbuild.frontend.recognizers.helpers import (
     stored_tensor,
     value_ref,
 )
-from graphbuild.frontend.recognizers.qdq import QDQPairRecognizer
+from graphbuild.frontend.recognizers.qdq import QDQGroupRecognizer, QDQPairRecognizer
 from graphbuild.frontend.recognizers.registry import (
     Match,
     Recognizer,
@@ -47,6 +47,7 @@ __all__ = [
     "FakeQuantRecognizer",
     "FastForwardRecognizer",
     "Match",
+    "QDQGroupRecognizer",
     "QDQPairRecognizer",
     "Recognizer",
     "VALUE_HELPERS",
@@ -101,6 +102,7 @@ def _builtin_recognizers() -> list[Recognizer]:
         QDQPairRecognizer(
             "quantized_decomposed", "quantize_per_channel", "dequantize_per_channel", qdq_channel
         ),
+        QDQGroupRecognizer(),
         FastForwardRecognizer(),
         AimetQuantizeDequantizeRecognizer(),
     ]

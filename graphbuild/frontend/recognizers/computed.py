@@ -31,6 +31,7 @@ _VALUE_OP_NAMES = frozenset(
         "abs",
         "add",
         "alias",
+        "amax",
         "clamp",
         "clamp_max",
         "clamp_min",
@@ -50,6 +51,7 @@ _VALUE_OP_NAMES = frozenset(
         "sub",
         "to",
         "view",
+        "zeros_like",
         "_to_copy",
     }
 )
@@ -70,7 +72,7 @@ def _functional(node: Node) -> str | None:
         base = name[:-1]
         target = node.args[0] if node.args else None
         others = (
-            [u for u in target.users if u is not node and not _is_assert(u)]
+            [u for u in target.users if u is not node and not _is_assert(u) and not _is_dead(u)]
             if isinstance(target, Node)
             else []
         )
@@ -78,6 +80,18 @@ def _functional(node: Node) -> str | None:
             return None
         name = base
     return f"{name}.{overload}" if name in _VALUE_OP_NAMES else None
+
+
+_DEAD_READERS = frozenset({"ge", "le", "gt", "lt", "__and__", "logical_and"})
+
+
+def _is_dead(node: Node, depth: int = 3) -> bool:
+    """A comparison whose result nothing reads (AIMET's unused range mask, ``(q >= qmin) &
+    (q <= qmax)``): it cannot see what an in-place op after it overwrites."""
+    if node.op != "call_function" or aten_name(node.target) not in _DEAD_READERS:
+        return False
+    users = [u for u in node.users if not _is_assert(u)]
+    return not users or (depth > 0 and all(_is_dead(u, depth - 1) for u in users))
 
 
 class _Unsupported(Exception):

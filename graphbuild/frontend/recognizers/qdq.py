@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
@@ -50,3 +52,35 @@ class QDQPairRecognizer:
             return False
         positions = self.layout.positions()
         return all(_same_arg(get_arg(q, i), get_arg(dq, i)) for i in positions)
+
+
+class QDQGroupRecognizer(QDQPairRecognizer):
+    """``quantize_per_channel_group(x, scales, zero_points, qmin, qmax, dtype, group_size)``
+    whose users are all ``dequantize_per_channel_group`` with the same arguments: a 2-D
+    tensor quantized in blocks of ``group_size`` along its last axis (one scale per row and
+    block; torch's decomposed op multiplies by the scale's reciprocal)."""
+
+    GROUP = 6
+
+    def __init__(self) -> None:
+        super().__init__(
+            "quantized_decomposed",
+            "quantize_per_channel_group",
+            "dequantize_per_channel_group",
+            _Layout(dtype=5),
+        )
+
+    def match(self, node: Node, program: ExportedProgram) -> Match | None:
+        found = super().match(node, program)
+        group = get_arg(node, self.GROUP)
+        val = found.input.meta.get("val") if found is not None else None
+        if found is None or not isinstance(group, int) or not isinstance(val, torch.Tensor):
+            return None
+        if val.dim() != 2 or group <= 1 or val.shape[-1] % group:
+            return None
+        return replace(found, axis=1, block_size=group)
+
+    def _pairs(self, q: Node, dq: Node, overload: str) -> bool:
+        return super()._pairs(q, dq, overload) and _same_arg(
+            get_arg(q, self.GROUP), get_arg(dq, self.GROUP)
+        )

@@ -32,6 +32,8 @@ class Match:
     The matched node must be one of ``replaces``. ``scale`` and ``zero_point`` say where the
     values live (see :func:`value_ref`); a ``zero_point`` of None means zero. ``bits`` and
     ``signed`` default to what the grid implies (``grid_bits``, ``qmin < 0``).
+    ``block_scale_bits`` and ``channel_axis`` make a blocked quantizer LPBQ (see
+    :class:`~graphbuild.quant.quantmap.QuantSpec`).
     """
 
     input: Node
@@ -46,6 +48,8 @@ class Match:
     bits: int | None = None
     signed: bool | None = None
     symmetric: bool | None = None
+    block_scale_bits: int | None = None
+    channel_axis: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits is None:

@@ -330,6 +330,10 @@ class _Builder:
         x, w, b = (self._arg(node, i, k) for i, k in ((0, "input"), (2, "weight"), (3, "bias")))
         self._emit(node, "LayerNormalization", (x, w, b), outputs)
 
+    def rms_norm(self, node: Node, outputs: tuple[str, ...]) -> None:
+        x, w = self._arg(node, 0, "input"), self._arg(node, 2, "weight")
+        self._emit(node, "RMSNormalization", (x, w), outputs)
+
     def group_norm(self, node: Node, outputs: tuple[str, ...]) -> None:
         x, w, b = (self._arg(node, i, k) for i, k in ((0, "input"), (2, "weight"), (3, "bias")))
         self._emit(node, "GroupNormalization", (x, w, b), outputs)
@@ -372,6 +376,7 @@ _SPECIAL: dict[str, Callable[[_Builder, Node, tuple[str, ...]], None]] = {
     **dict.fromkeys(("matmul", "bmm", "mm"), _Builder.matmul),
     "embedding": _Builder.embedding,
     "layer_norm": _Builder.layer_norm,
+    "rms_norm": _Builder.rms_norm,
     "group_norm": _Builder.group_norm,
     **dict.fromkeys(
         ("batch_norm", "_native_batch_norm_legit_no_training", "native_batch_norm"),

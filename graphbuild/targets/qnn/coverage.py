@@ -10,7 +10,9 @@ exists only inside one op's ONNX lowering, calibration that dropped the quantize
 pre-quantized model without a quantizer there. It also flags degenerate calibrated ranges:
 a range below a few steps of the smallest scale (the values collapse onto a few grid points,
 a random-init network whose activations vanish) or one so wide no grid resolves ordinary
-values (a ``finfo.min`` attention mask).
+values (a ``finfo.min`` attention mask). And it names the tensors in the pattern of a known
+defect of QNN's HTP backend (:mod:`graphbuild.targets.qnn.htp_defects`), with the reason and
+the test that reproduces it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from graphbuild.errors import CoverageError
 from graphbuild.quant.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.aten_view import UNSUPPORTED
 from graphbuild.targets.qnn.htp import CONFIG_NAME, GraphView, OpNode, Plan, TensorRule, plan
+from graphbuild.targets.qnn.htp_defects import find_htp_defects
 from graphbuild.targets.qnn.onnx_view import onnx_view
 
 __all__ = ["check_coverage", "coverage_report", "summary_line"]
@@ -89,6 +92,9 @@ def coverage_report(
         "mismatched": sorted(mismatched, key=lambda e: e["tensor"]),
         "extra": sorted(extra, key=lambda e: e["tensor"]),
         "degenerate": _degenerate(qmap, names, values, collapsed or {}),
+        "htp_defects": find_htp_defects(
+            model, {t: s.bits for t, s in encoded.items() if s.param is None}
+        ),
     }
     report["summary"] = summary_line(report)
     return report
@@ -126,6 +132,10 @@ def summary_line(report: Mapping[str, Any]) -> str:
         line += f"; {len(report['extra'])} quantized where HTP keeps float"
     if report.get("degenerate"):
         line += f"; {len(report['degenerate'])} degenerate range(s)"
+    defects = report.get("htp_defects")
+    if defects:
+        names = ", ".join(sorted({e["defect"] for e in defects}))
+        line += f"; {len(defects)} in a known QNN HTP defect's pattern ({names})"
     return line
 
 
@@ -147,7 +157,9 @@ def _settings(rule: TensorRule) -> tuple[int, bool, bool]:
 
 def _spec_settings(spec: QuantSpec) -> tuple[int, bool, bool]:
     symmetric = spec.symmetric if spec.symmetric is not None else spec.signed
-    return spec.bits, bool(symmetric), spec.axis is not None and spec.block_size is None
+    # an LPBQ weight is per channel with integer block scales: what the HTP runs quantized
+    per_channel = spec.axis is not None and (spec.block_size is None or spec.is_lpbq)
+    return spec.bits, bool(symmetric), per_channel
 
 
 def _describe(bits: int, symmetric: bool, per_channel: bool) -> str:

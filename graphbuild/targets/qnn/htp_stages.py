@@ -103,13 +103,17 @@ def context_file_names(model_name: str, target: HtpTarget) -> tuple[str, str]:
 
 
 def qdq_from_encodings(inputs: tuple, samples: Any, context: Any) -> onnx.ModelProto:
-    """``onnx``: the QDQ model a QNN tool builds from the float model and its ``.encodings``
-    (what the HTP check compiles)."""
+    """``onnx``: the QDQ model a QNN tool builds from the float model and its ``.encodings``,
+    in the forms the HTP runs fully quantized (what the HTP check compiles)."""
     from graphbuild.onnx.save import materialize
     from graphbuild.targets.qnn.encodings.qdq import insert_qdq
+    from graphbuild.targets.qnn.qdq_forms import apply_htp_forms
 
     bound, enc_file = inputs
-    return insert_qdq(materialize(bound), json.loads(enc_file.data))
+    return apply_htp_forms(
+        insert_qdq(materialize(bound), json.loads(enc_file.data)),
+        matmul_int16_requantize=context["matmul_int16_requantize"],
+    )
 
 
 def check_htp(
@@ -325,7 +329,9 @@ def add_htp_stages(
     else:
         model = bound
         if fmt == "onnx":
-            model = p.register_stage(qdq_from_encodings, "qdq_from_encodings", reads=())
+            model = p.register_stage(
+                qdq_from_encodings, "qdq_from_encodings", reads=("ctx.matmul_int16_requantize",)
+            )
             model.depends_on(bound, enc)
         for t in targets:
             checks.append(

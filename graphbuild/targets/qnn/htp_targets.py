@@ -29,6 +29,10 @@ SOC_MODELS: Mapping[str, str] = {
 }
 
 
+#: Architectures whose 16x16 MatMul refuses an int16 second input.
+_NO_INT16_MATMUL_INPUT = frozenset({"68", "69"})
+
+
 @dataclass(frozen=True)
 class HtpTarget:
     """An HTP architecture (``"81"`` for v81) and the SoC model QNN prepares graphs for."""
@@ -53,6 +57,12 @@ class HtpTarget:
 
     def __str__(self) -> str:
         return f"v{self.htp_arch} (SoC {self.soc_model})"
+
+    @property
+    def takes_int16_matmul_input(self) -> bool:
+        """False for v68 and v69: QNN refuses a 16x16 MatMul whose second input is int16
+        ("Failed to add fused Matmul node"), measured with QNN 2.51's HTP."""
+        return self.htp_arch not in _NO_INT16_MATMUL_INPUT
 
     @property
     def label(self) -> str:

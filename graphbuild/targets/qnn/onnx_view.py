@@ -19,6 +19,8 @@ from graphbuild.targets.qnn.htp import GraphView, OpNode
 __all__ = ["onnx_view", "source_of"]
 
 _FX_NODE = "pkg.torch.onnx.fx_node"
+#: ops the rules treat as another: onnxruntime's RMSNorm is ONNX's RMSNormalization
+_SAME_RULES = {"SimplifiedLayerNormalization": "RMSNormalization"}
 _CLASSES = "pkg.torch.onnx.class_hierarchy"
 _TARGET = re.compile(r"target=(?:torch\.ops\.)?([\w.]+)")
 _FX_NAME = re.compile(r"%(\S+) :")
@@ -71,6 +73,9 @@ def onnx_view(model: onnx.ModelProto | ir.Model) -> GraphView:
         value = _scalar(v.const_value)
         if value is not None:
             scalars[n] = value
+    lpbq = _lpbq_weights(graph, alias)
+    constants.update(lpbq)  # stored quantized, they stand for the float weight
+    floats.update(lpbq)
     ops: list[OpNode] = []
     for node in graph:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear") and node.domain == "":
@@ -91,7 +96,9 @@ def onnx_view(model: onnx.ModelProto | ir.Model) -> GraphView:
         ops.append(
             OpNode(
                 name=node.name or outputs[0],
-                op_type=node.op_type,
+                op_type=_SAME_RULES.get(node.op_type, node.op_type)
+                if node.domain == ""
+                else node.op_type,
                 inputs=inputs,
                 outputs=outputs,
                 depthwise=_depthwise(node),
@@ -145,6 +152,23 @@ def _qdq_aliases(graph: ir.Graph) -> dict[str, str]:
         if base and out:
             alias[out] = alias.get(base, base)
     return alias
+
+
+def _lpbq_weights(graph: ir.Graph, alias: dict[str, str]) -> set[str]:
+    """The float weights an LPBQ weight's ``DequantizeLinear`` stands for: it dequantizes a
+    precomputed constant with a scale another ``DequantizeLinear`` makes
+    (:mod:`graphbuild.onnx.lpbq`)."""
+    out: set[str] = set()
+    for node in graph:
+        if node.op_type != "DequantizeLinear" or node.domain != "" or len(node.inputs) < 2:
+            continue
+        src, scale = node.inputs[0], node.inputs[1]
+        maker = scale.producer() if scale is not None else None
+        if src is None or not src.is_initializer() or maker is None:
+            continue
+        if maker.op_type == "DequantizeLinear" and node.outputs[0].name in alias:
+            out.add(alias[node.outputs[0].name])
+    return out
 
 
 def _groups(node: ir.Node) -> int:

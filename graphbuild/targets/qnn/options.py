@@ -19,9 +19,14 @@ DEFAULT_ENCODINGS_VERSION = "1.0.0"
 class QnnOnnxOptions:
     """Options of the QNN export; each becomes one context key that stages declare.
 
-    ``quantizer`` is a preset name (``w8a8``, ``w8a16``, ``w4a16``) or a torchao
+    ``quantizer`` is a preset name (``w8a8``, ``w8a16``, ``w4a16``, ``w4a16_lpbq``) or a torchao
     ``Quantizer``; with it graphbuild runs PT2E on ``calibration`` (batches of positional
     inputs). Without it the model is taken as already quantized (fake-quant or q/dq ops).
+    ``lpbq`` writes a model's own blocked int4 weight quantizers (FastForward's, say) as LPBQ:
+    integer block scales under a float scale per channel, as FastForward's export with an
+    ``LPBQProcessor(compressed_bw=4, decompressed_bw=8)`` does (the scales are compressed, so
+    the export then differs from the model by that); LPBQ quantizers (aimet-torch's
+    ``GroupedBlockQuantizeDequantize``, the ``w4a16_lpbq`` preset) are LPBQ without it.
     ``int32_bias`` writes int32 bias encodings (scale = input scale x weight scale) as AIMET
     does; ``None`` follows AIMET's default: on for ``2.0.0``, off for ``1.0.0`` and ``0.6.1``.
     ``strict_coverage`` fails the export when a tensor QNN HTP runs quantized is left float
@@ -32,6 +37,13 @@ class QnnOnnxOptions:
     ``soc_model`` (QNN's SoC id; default: the arch's), reports what QNN took and compares its
     outputs with onnxruntime's CPU. The ``context`` format prepares a QNN context binary for
     each of them.
+    ``matmul_int16_requantize`` (QDQ models: ``onnx_qdq``, ``context`` and the QDQ the HTP
+    check rebuilds for ``onnx``) requantizes a 16-bit symmetric second MatMul input to int16
+    just before the MatMul, the form the HTP's 16x16 MatMul computes right (see
+    :mod:`.qdq_forms`); ``False`` leaves it out, for tools that import the QDQ model strictly
+    (AIMET's quantization sim has no quantizer there), at the cost of that product's accuracy
+    on the HTP. ``None`` (the default) requantizes unless one of ``htp_arch`` refuses a 16x16
+    MatMul with an int16 second input (v68, v69): one QDQ model serves every listed arch.
     """
 
     opset: int = 21
@@ -44,10 +56,12 @@ class QnnOnnxOptions:
     calibration: Sequence[Any] | None = None
     check_numerics: bool = False
     int32_bias: bool | None = None
+    lpbq: bool = False
     strict_coverage: bool = False
     check_htp: bool = False
     htp_arch: str | Sequence[str] | None = None
     soc_model: str | Sequence[str] | None = None
+    matmul_int16_requantize: bool | None = None
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -65,10 +79,18 @@ class QnnOnnxOptions:
         """The HTP targets ``htp_arch`` and ``soc_model`` name (default: v81)."""
         return parse_targets(self.htp_arch, self.soc_model)
 
+    def requantizes_matmul_inputs(self) -> bool:
+        """``matmul_int16_requantize`` as set, or where unset whether every HTP target takes
+        the int16 second MatMul input (the context holds this, so a key sees the decision)."""
+        if self.matmul_int16_requantize is not None:
+            return bool(self.matmul_int16_requantize)
+        return all(t.takes_int16_matmul_input for t in self.htp_targets())
+
     def to_context(self) -> dict[str, Any]:
         # not dataclasses.asdict: it would deep-copy the quantizer and every calibration tensor
         ctx = {f.name: getattr(self, f.name) for f in fields(self)}
         ctx["calibration"] = list(self.calibration) if self.calibration is not None else None
+        ctx["matmul_int16_requantize"] = self.requantizes_matmul_inputs()
         for key in ("input_names", "output_names", "htp_arch", "soc_model"):
             if ctx[key] is not None and not isinstance(ctx[key], (str, int)):
                 ctx[key] = list(ctx[key])
@@ -91,7 +113,7 @@ def _check_names(key: str, names: Sequence[str] | None) -> None:
 
 #: The quantizer presets ``preset.py`` registers, named here so that reading a config needs
 #: no torchao import (tests/test_targets.py checks the two agree).
-PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16")
+PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16", "w4a16_lpbq")
 
 #: What a config file's ``[options]`` table may set for the qnn target.
 CONFIG_SCHEMA: dict[str, OptionType] = {
@@ -103,8 +125,10 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "fake_quantize_weights": BOOL,
     "check_numerics": BOOL,
     "int32_bias": BOOL,
+    "lpbq": BOOL,
     "strict_coverage": BOOL,
     "check_htp": BOOL,
+    "matmul_int16_requantize": BOOL,
     "htp_arch": OptionType(
         "a string or a list of strings",
         lambda v: isinstance(v, str) or STRS.accepts(v),

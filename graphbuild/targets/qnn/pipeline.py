@@ -23,7 +23,7 @@ from typing import Any
 
 from graphbuild.engine.codecs import FileArtifact, roundtrip
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
-from graphbuild.errors import ConfigError
+from graphbuild.errors import ConfigError, ReportedWarning
 from graphbuild.frontend.capture import as_args, capture
 from graphbuild.frontend.devices import host_state, model_tensors, to_device
 from graphbuild.frontend.programs import ProgramArtifact, strip_state
@@ -39,7 +39,11 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     """PT2E calibration. A tensor whose calibration saw non-finite values stays float; the
     program's notes say which (the coverage report names them)."""
     from graphbuild.frontend.quantize import quantize as quantize_pt2e
-    from graphbuild.targets.qnn.preset import is_preset_quantizer  # registers the presets too
+    from graphbuild.targets.qnn.lpbq_weights import NOTE as LPBQ_NOTE
+    from graphbuild.targets.qnn.preset import (  # registers the presets too
+        is_preset_quantizer,
+        lpbq_block_scale_bits,
+    )
 
     (captured,) = inputs
     state = host_state(context.input)
@@ -55,6 +59,8 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     notes: dict[str, Any] = {}
     if is_preset_quantizer(context["quantizer"]):
         notes["symmetric_when_signed"] = True  # AIMET's convention, which q/dq ops do not say
+    if lpbq_block_scale_bits(context["quantizer"]) is not None:  # its blocked weights are LPBQ
+        notes[LPBQ_NOTE] = lpbq_block_scale_bits(context["quantizer"])
     if result.left_float:
         notes["left_float"] = dict(sorted(result.left_float.items()))
     if result.degenerate:
@@ -79,11 +85,15 @@ def normalize_quantized(inputs: tuple, samples: Any, context: Any) -> tuple:
     the graph's quantize ops do not say: the quantize stage notes it, the quant map records
     it."""
     from graphbuild.frontend.normalize import normalize_program
+    from graphbuild.quant.lpbq import as_lpbq
+    from graphbuild.targets.qnn.lpbq_weights import NOTE as LPBQ_NOTE
 
     (program,) = inputs
     marker, qmap = normalize_program(program.program)
     if program.notes.get("symmetric_when_signed"):
         qmap = QuantMap(tuple(replace(s, symmetric=s.signed) for s in qmap))
+    if program.notes.get(LPBQ_NOTE) is not None:  # an LPBQ preset: its blocked weights
+        qmap = as_lpbq(qmap, int(program.notes[LPBQ_NOTE]))
     doc = qmap.to_json()
     for key in ("left_float", "degenerate"):
         if program.notes.get(key):
@@ -100,8 +110,15 @@ def marker_graph(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
 
 def quant_map(inputs: tuple, samples: Any, context: Any) -> tuple:
     """The quant map alone (and the graph's own quantizer values): what the value stages
-    need, without loading a program."""
+    need, without loading a program. With ``lpbq`` the model's blocked int4 weight quantizers
+    are written as LPBQ, as FastForward's export does with an ``LPBQProcessor``."""
     ((_, qmap, fixed),) = inputs
+    if context["lpbq"]:
+        from graphbuild.quant.lpbq import as_lpbq
+
+        doc = dict(qmap)
+        doc.update(as_lpbq(QuantMap.from_json(qmap)).to_json())
+        qmap = doc
     return qmap, fixed
 
 
@@ -151,18 +168,24 @@ def lower_onnx(inputs: tuple, samples: Any, context: Any) -> tuple:
 
 
 def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
+    """Q/DQ in place of the markers, in the forms the HTP runs fully quantized."""
     from graphbuild.onnx.lower import lower_markers
+    from graphbuild.targets.qnn.qdq_forms import apply_htp_forms
 
     skeleton, (qmap, _) = inputs
-    lowered, names = lower_markers(skeleton, QuantMap.from_json(qmap), "onnx_qdq")
-    return lowered, {str(q): n for q, n in sorted(names.items())}
+    quant_map = QuantMap.from_json(qmap)
+    lowered, names = lower_markers(skeleton, quant_map, "onnx_qdq")
+    formed = apply_htp_forms(
+        lowered, quant_map, matmul_int16_requantize=context["matmul_int16_requantize"]
+    )
+    return formed, {str(q): n for q, n in sorted(names.items())}
 
 
 def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
     """Digests of exactly the state tensors the lowered graph binds: bind keys on these
     rather than on the whole state, so a changed quantizer buffer does not re-bind weights."""
     from graphbuild.engine.fingerprint import tensor_digests
-    from graphbuild.onnx.lower import SOURCE_KEY
+    from graphbuild.onnx.lower import QPARAMS_LOCATION, SOURCE_KEY
     from graphbuild.onnx.skeleton import STATE_LOCATION
 
     ((lowered, _),) = inputs
@@ -170,9 +193,11 @@ def weight_digests(inputs: tuple, samples: Any, context: Any) -> dict:
     names = set()
     for init in lowered.graph.initializer:
         location = {e.key: e.value for e in init.external_data}.get("location")
+        meta = {p.key: p.value for p in init.metadata_props}
         if location == STATE_LOCATION:
-            meta = {p.key: p.value for p in init.metadata_props}
             names.add(meta.get(SOURCE_KEY, init.name))
+        elif location == QPARAMS_LOCATION and SOURCE_KEY in meta:  # state bound quantized
+            names.add(meta[SOURCE_KEY])
     bound = [n for n in sorted(names) if n in state]
     digests = tensor_digests([state[n] for n in bound], reuse=True)  # input.state's, this run
     return {
@@ -255,7 +280,16 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
         qmap.get("degenerate"),
     )
     for entry in report["degenerate"]:
-        warnings.warn(f"coverage: '{entry['tensor']}': {entry['why']}", stacklevel=2)
+        warnings.warn(
+            f"coverage: '{entry['tensor']}': {entry['why']}", ReportedWarning, stacklevel=2
+        )
+    for entry in report["htp_defects"]:
+        warnings.warn(
+            f"coverage: '{entry['tensor']}': {entry['reason']}; reproduced by "
+            f"{entry['reproduction']}",
+            ReportedWarning,
+            stacklevel=2,
+        )
     if context["strict_coverage"]:
         check_coverage(report)
     return report
@@ -330,7 +364,7 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         "normalize",
         reads=("registry.recognizers",),
     ).depends_on(source)
-    qmap = p.register_stage(quant_map, "quant_map", reads=()).depends_on(norm)
+    qmap = p.register_stage(quant_map, "quant_map", reads=("ctx.lpbq",)).depends_on(norm)
     if quantized:
         qp = p.register_stage(qparams_from_program, "qparams", reads=()).depends_on(source, qmap)
     else:
@@ -341,7 +375,9 @@ def build_qnn_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
         to_onnx, "to_onnx", reads=("ctx.opset", "ctx.input_names", "ctx.output_names")
     ).depends_on(graph)
     lower = p.register_stage(
-        lower_onnx if fmt == "onnx" else lower_qdq, "lower_markers", reads=()
+        lower_onnx if fmt == "onnx" else lower_qdq,
+        "lower_markers",
+        reads=() if fmt == "onnx" else ("ctx.matmul_int16_requantize",),
     ).depends_on(onnx, qmap)
     bind_values = qp
     if fmt == "onnx":  # only weight scales reach the float graph (snapped weights)

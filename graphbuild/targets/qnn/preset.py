@@ -9,6 +9,11 @@ symmetric on the full signed grid (per output channel for Conv, ConvTranspose, G
 weights), activations asymmetric on the unsigned grid, with AIMET's exceptions (symmetric
 second input of an activation MatMul, fixed Softmax/Sigmoid/Tanh ranges, 8-bit asymmetric
 LayerNorm weights, tied Concat/Relu/AveragePool encodings).
+
+``w4a16_lpbq`` is ``w4a16`` with a linear layer's weight in LPBQ blocks of 64 input channels
+(:mod:`graphbuild.targets.qnn.lpbq_weights`): int4 values, 4-bit integer block scales under a
+float scale per output channel, as AIMET's ``set_lpbq_for_params`` and QNN's HTP run LLM
+weights; a weight whose input channels do not divide into blocks stays per channel.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import torch
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import (
     QuantizationAnnotation,
@@ -25,9 +31,10 @@ from torchao.quantization.pt2e.quantizer import (
 )
 
 from graphbuild.errors import ConfigError
-from graphbuild.frontend.quantize import register_preset
+from graphbuild.frontend.quantize import register_preset, resolve_attr
 from graphbuild.targets.qnn.aten_view import AtenView, aten_view
 from graphbuild.targets.qnn.htp import Plan, TensorRule, plan
+from graphbuild.targets.qnn.lpbq_weights import SCALE_BITS, lpbq_spec, takes_lpbq
 from graphbuild.targets.qnn.observers import quantization_spec
 from graphbuild.targets.qnn.rewrite import rewrite_for_htp
 
@@ -36,6 +43,7 @@ __all__ = [
     "QnnQuantizer",
     "activation_spec",
     "is_preset_quantizer",
+    "lpbq_block_scale_bits",
     "preset_bits",
     "weight_spec",
 ]
@@ -53,7 +61,10 @@ _PRESET_BITS: dict[str, _Bits] = {
     "w8a8": _Bits(weight=8, activation=8),
     "w8a16": _Bits(weight=8, activation=16),
     "w4a16": _Bits(weight=4, activation=16),
+    "w4a16_lpbq": _Bits(weight=4, activation=16),
 }
+#: presets whose linear weights are LPBQ (block scale bits)
+_LPBQ_PRESETS: dict[str, int] = {"w4a16_lpbq": SCALE_BITS}
 
 PRESETS: tuple[str, ...] = tuple(_PRESET_BITS)
 
@@ -83,17 +94,24 @@ def activation_spec(bits: int):
 
 
 class QnnQuantizer(Quantizer):
-    """torchao PT2E quantizer with QNN presets: ``w8a8``, ``w8a16``, ``w4a16``."""
+    """torchao PT2E quantizer with QNN presets: ``w8a8``, ``w8a16``, ``w4a16``, ``w4a16_lpbq``."""
 
     def __init__(self, preset: str = "w8a8") -> None:
         self.weight_bits, self.activation_bits = preset_bits(preset)
         self.preset = preset
+        self.lpbq = preset in _LPBQ_PRESETS
 
     def __repr__(self) -> str:
         return f"QnnQuantizer(preset={self.preset!r})"
 
+    def transform_before_prepare(self, model: GraphModule) -> GraphModule:
+        """The rewrites, before torchao folds BatchNorm into convolutions (it refuses one
+        whose bias is computed, which the rewrites take out of the convolution)."""
+        return rewrite_for_htp(model)
+
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
-        """One aten op per ONNX op that QNN quantizes (see ``rewrite``)."""
+        """One aten op per ONNX op that QNN quantizes (see ``rewrite``; a second pass over a
+        rewritten graph changes nothing)."""
         return rewrite_for_htp(model)
 
     def plan(self, model: GraphModule) -> tuple[AtenView, Plan]:
@@ -104,7 +122,7 @@ class QnnQuantizer(Quantizer):
     def annotate(self, model: GraphModule) -> GraphModule:
         """Attach one quantizer to every tensor the HTP rules quantize."""
         view, rules = self.plan(model)
-        _Annotator(model, view, rules).run()
+        _Annotator(model, view, rules, lpbq=self.lpbq).run()
         return model
 
     def validate(self, model: GraphModule) -> None:
@@ -115,8 +133,8 @@ class _Annotator:
     """Turns the plan into PT2E annotations: outputs of ops get an output spec; model inputs
     and constants (weights, scalars) get the spec on every edge to their readers, shared."""
 
-    def __init__(self, gm: GraphModule, view: AtenView, rules: Plan) -> None:
-        self.gm, self.view, self.rules = gm, view, rules
+    def __init__(self, gm: GraphModule, view: AtenView, rules: Plan, lpbq: bool = False) -> None:
+        self.gm, self.view, self.rules, self.lpbq = gm, view, rules, lpbq
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.inputs: dict[Node, dict[Node, QuantizationSpecBase]] = defaultdict(dict)
         self.output: dict[Node, QuantizationSpecBase] = {}
@@ -157,9 +175,44 @@ class _Annotator:
 
     def _spec(self, tensor: str, rule: TensorRule) -> QuantizationSpecBase:
         axis = self._axis(tensor) if rule.per_channel else None
+        if (
+            self.lpbq
+            and axis is not None
+            and takes_lpbq(self._shape(tensor), axis)
+            and not self._biased(tensor)
+        ):
+            return lpbq_spec()
         if rule.per_channel and axis is None:
             return quantization_spec(rule.bits, symmetric=rule.symmetric)
-        return quantization_spec(rule.bits, symmetric=rule.symmetric, axis=axis, fixed=rule.fixed)
+        return quantization_spec(
+            rule.bits,
+            symmetric=rule.symmetric,
+            axis=axis,
+            fixed=rule.fixed,
+            min_scale=rule.min_scale,
+        )
+
+    def _shape(self, tensor: str) -> tuple[int, ...]:
+        """The shape of a weight (a constant the graph reads), or () if unknown."""
+        source, _ = self.view.edges.get(tensor, (tensor, ""))
+        node = self.nodes.get(source)
+        value = resolve_attr(self.gm, str(node.target)) if node is not None else None
+        return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+
+    def _biased(self, tensor: str) -> bool:
+        """Whether a weight is read by a linear layer with a bias. QNN's HTP (onnxruntime-qnn
+        2.7, v81) computes an LPBQ MatMul followed by its bias Add wrong (thousands of output
+        steps from onnxruntime's CPU on the same file; per channel, or without the bias, a
+        few), so the LPBQ preset leaves such a weight per channel."""
+        consumers = [c for (w, c), _ in self.view.weight_axes.items() if w == tensor]
+        for name in consumers:
+            node = self.nodes.get(name)
+            bias = node.args[2] if node is not None and len(node.args) > 2 else None
+            if bias is None and node is not None:
+                bias = node.kwargs.get("bias")
+            if bias is not None:
+                return True
+        return False
 
     def _axis(self, tensor: str) -> int | None:
         """The output-channel axis of a weight in the op that reads it as one."""
@@ -183,6 +236,13 @@ class _Annotator:
         for reader in readers[1:]:
             self.inputs[reader][node] = SharedQuantizationSpec(first)
         self.anchors.setdefault(tensor, first)
+
+
+def lpbq_block_scale_bits(quantizer: object) -> int | None:
+    """The block scales' bit-width of a preset (a name or an instance) whose weights are LPBQ,
+    else None."""
+    preset = quantizer.preset if isinstance(quantizer, QnnQuantizer) else quantizer
+    return _LPBQ_PRESETS.get(preset) if isinstance(preset, str) else None
 
 
 def is_preset_quantizer(quantizer: object) -> bool:

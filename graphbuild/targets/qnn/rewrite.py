@@ -11,6 +11,9 @@ in the aten graph too. These rewrites make that so:
   (Mul), ``adaptive_avg_pool2d`` to 1x1 (ReduceMean) and ``scaled_dot_product_attention``
   (MatMul, Mul, Where or Add, Softmax, MatMul); a ``softmax`` asked for its input's own dtype
   loses the no-op Cast;
+* patterns QNN's HTP refuses or computes wrong are rewritten into forms it runs
+  (:mod:`graphbuild.targets.qnn.htp_patterns`: GELU with tanh, RMSNorm, zero-size tensors,
+  computed biases, pools over the whole input);
 * a Python number an op computes with (``x * 0.5``, ``x + 1e-6``) becomes a 0-d tensor
   constant, the initializer QNN quantizes; a float tensor filled with one number (``zeros``,
   ``full``) becomes that constant expanded, as the exporter writes it.
@@ -30,6 +33,8 @@ from typing import Any
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
+
+from graphbuild.targets.qnn.htp_patterns import NODE_REWRITES, drop_dead_nodes, fuse_patterns
 
 __all__ = ["MASK_FILL", "rewrite_for_htp"]
 
@@ -75,6 +80,7 @@ def rewrite_for_htp(gm: GraphModule) -> GraphModule:
     emit = _Emitter(gm, fake_mode)
     _inline_wrappers(gm)
     _out_of_place(graph)
+    fuse_patterns(graph, emit)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -89,6 +95,7 @@ def rewrite_for_htp(gm: GraphModule) -> GraphModule:
             )
             node.replace_all_uses_with(result)
             graph.erase_node(node)
+    drop_dead_nodes(graph)
     _lift_scalars(graph, emit)
     graph.lint()
     gm.recompile()
@@ -368,6 +375,7 @@ _DECOMPOSITIONS: dict[Any, Callable[[_Emitter, Node], Node | None]] = {
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.softmax.int: _softmax,
     aten.log_softmax.int: _softmax,
+    **NODE_REWRITES,
 }
 
 

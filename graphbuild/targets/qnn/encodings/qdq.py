@@ -6,8 +6,11 @@ Each tensor the document names gets ``QuantizeLinear -> DequantizeLinear`` with 
 scale and zero point in its integer container (int4/uint4, int8/uint8, int16/uint16; opset 21
 for 4- and 16-bit), per channel with ``axis`` and blocked with ``block_size`` where the document
 says so. A 32-bit parameter (an int32 bias) has no QuantizeLinear type: it becomes
-``DequantizeLinear`` of its precomputed int32 values. The rewrite is
-:class:`InsertQdqPass`, the fake-quant pass of :mod:`.reinsert` with real Q/DQ chains.
+``DequantizeLinear`` of its precomputed int32 values. An LPBQ weight takes the form QNN's
+HTP runs (:mod:`graphbuild.onnx.lpbq`): its int4 values, stored, dequantized with the scale a
+``DequantizeLinear`` makes of its integer block scales, a ``linear``'s Transpose folded into
+the stored weight. The rewrite is :class:`InsertQdqPass`, the fake-quant pass of
+:mod:`.reinsert` with real Q/DQ chains.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import onnx
 import onnx_ir as ir
 
 from graphbuild.errors import ExportError
+from graphbuild.onnx.lpbq import MAX_BLOCK_SCALE_BITS, foldable_transpose, lpbq_dequantize
 from graphbuild.targets.qnn.encodings.read import TensorEncoding, read_encodings
 from graphbuild.targets.qnn.encodings.reinsert import (
     InsertFakeQuantPass,
     _channel_shape,
+    _expand_blocks,
     _value_dims,
+    lpbq_grids,
 )
 
 __all__ = ["InsertQdqPass", "insert_qdq"]
@@ -104,6 +110,59 @@ class InsertQdqPass(InsertFakeQuantPass):
             )
         self._attrs = {"axis": axis, "block_size": block}
         return scale.reshape(grid), zero_point.reshape(grid)
+
+    def _chain(self, value: ir.Value, enc: TensorEncoding) -> list[ir.Node]:
+        if enc.granularity == "LPBQ":
+            return self._lpbq_chain(value, enc)
+        return super()._chain(value, enc)
+
+    def _lpbq_chain(self, value: ir.Value, enc: TensorEncoding) -> list[ir.Node]:
+        """An LPBQ weight in the HTP's form; its readers (or those of the Transpose folded
+        into it) read the dequantized weight."""
+        tensor = value.const_value if value.is_initializer() else None
+        if tensor is None or value.dtype != ir.DataType.FLOAT:
+            raise ExportError(
+                f"tensor '{enc.name}': an LPBQ encoding quantizes a float32 weight; this is "
+                "not a constant of the model"
+            )
+        if int(enc.block_scale_bits or 0) > MAX_BLOCK_SCALE_BITS:
+            raise ExportError(
+                f"tensor '{enc.name}': {enc.block_scale_bits}-bit LPBQ block scales do not fit "
+                f"the uint8 QNN reads them as (at most {MAX_BLOCK_SCALE_BITS} bits)"
+            )
+        x = tensor.numpy().astype(np.float32)
+        dims = tuple(int(d) for d in x.shape)
+        channel, block = self._lpbq_axes(value, enc, len(dims))
+        grid, ints = lpbq_grids(enc, channel, block, len(dims))
+        scale = _expand_blocks(grid.astype(np.float32), enc, block, dims)
+        q = np.clip(np.round(x / scale), enc.qmin, enc.qmax).astype(np.int8)
+        transpose = foldable_transpose(value)
+        if transpose is not None:
+            q, ints, channel, block = q.T, ints.T, 1 - channel, 1 - block
+        graph, name = value.graph, enc.name
+        dtype, _ = _container(enc)
+        channels = np.asarray(enc.channel_scale, np.float32).reshape(-1)
+        nodes, y = lpbq_dequantize(
+            self._typed_const(graph, f"{name}_quantized", np.ascontiguousarray(q), dtype),
+            self._typed_const(graph, f"{name}_block_int_scale", ints.astype(np.uint8)),
+            self._typed_const(graph, f"{name}_channel_scale", channels),
+            self._typed_const(
+                graph, f"{name}_channel_zero_point", np.zeros_like(channels, np.uint8)
+            ),
+            self._typed_const(graph, f"{name}_zero_point", np.zeros(ints.shape, np.int8), dtype),
+            channel_axis=channel,
+            block_axis=block,
+            block_size=int(enc.block_size or 0),
+            names=tuple(self._fresh(f"{name}_{s}") for s in ("scale_dq", "scale", "dq", "dq_out")),
+            out_type=value.type,
+        )
+        target = value if transpose is None else transpose.outputs[0]
+        target.replace_all_uses_with(y, replace_graph_outputs=True)
+        if transpose is not None:
+            graph.remove(transpose, safe=True)
+        if not value.uses() and not value.is_graph_output():
+            graph.initializers.pop(value.name)
+        return nodes
 
     def _typed_const(
         self, graph: ir.Graph, base: str, array: np.ndarray, dtype: ir.DataType | None = None

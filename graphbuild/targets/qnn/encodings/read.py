@@ -9,6 +9,10 @@ What the formats cannot say, and the conventions used to read them back:
   is along its input channel; :mod:`~graphbuild.targets.qnn.encodings.reinsert` resolves both
   from the ONNX graph.
 - 2.0.0 has one list for params and activations, so ``is_param`` reads back as ``None``.
+- LPBQ (``enc_type: LPBQ`` in 1.0.0, ``per_block_int_scale`` in 2.0.0) reads back as a blocked
+  encoding on the weight's grid (``bits`` is 1.0.0's ``compressed_bw``) whose ``scale`` is the
+  effective block scale ``per_block_int_scale * per-channel float scale``; the two parts are
+  kept. 1.0.0 lists the block scales channel-major: ``scale`` is then ``(channels, blocks)``.
 """
 
 from __future__ import annotations
@@ -48,9 +52,14 @@ class TensorEncoding:
     axis: int | None = None
     block_size: int | None = None
     axis_implied: bool = False
+    block_scale_bits: int | None = None
+    channel_scale: np.ndarray | None = None
+    block_int_scale: np.ndarray | None = None
 
     @property
     def granularity(self) -> str:
+        if self.block_scale_bits is not None:
+            return "LPBQ"
         if self.block_size is not None:
             return "PER_BLOCK"
         return "PER_TENSOR" if self.axis is None else "PER_CHANNEL"
@@ -111,6 +120,8 @@ def _read_1_0_0(entry: Mapping[str, Any], is_param: bool) -> TensorEncoding:
     name = entry["name"]
     if entry.get("dtype", "INT") != "INT":
         raise ExportError(f"tensor '{name}': {entry['dtype']} encodings are not integer grids")
+    if entry.get("enc_type") == "LPBQ":
+        return _read_lpbq_1_0_0(entry, is_param)
     bits, signed = int(entry["bw"]), _truthy(entry["is_sym"])
     scale = np.asarray(entry["scale"], dtype=np.float32).reshape(-1)
     offset = np.asarray(entry["offset"], dtype=np.int64).reshape(-1)
@@ -129,6 +140,83 @@ def _read_1_0_0(entry: Mapping[str, Any], is_param: bool) -> TensorEncoding:
         axis=axis,
         block_size=int(entry["block_size"]) if blocked else None,
         axis_implied=axis is not None,
+    )
+
+
+def _lpbq_parts(
+    name: str, compressed: int, decompressed: int, channel: np.ndarray, ints: np.ndarray
+) -> tuple[int, np.ndarray]:
+    """Block scales' bit-width and the effective scales ``ints * channel`` (float32)."""
+    k = decompressed - compressed
+    if not 1 <= compressed < decompressed or not 1 <= k <= 8:
+        raise ExportError(
+            f"tensor '{name}': LPBQ with compressed_bw {compressed} and bw {decompressed}"
+        )
+    if ints.size and (ints.min() < 1 or ints.max() > 2**k):
+        raise ExportError(f"tensor '{name}': LPBQ block scales outside [1, {2**k}]")
+    if not np.all(np.isfinite(channel)) or np.any(channel <= 0):
+        raise ExportError(f"tensor '{name}': LPBQ channel scales must be finite and positive")
+    return k, (ints.astype(np.float32) * channel.astype(np.float32)).astype(np.float32)
+
+
+def _read_lpbq_1_0_0(entry: Mapping[str, Any], is_param: bool) -> TensorEncoding:
+    """1.0.0 LPBQ: ``scale`` per channel, ``per_block_int_scale`` channel-major."""
+    name = entry["name"]
+    bits = int(entry["compressed_bw"])
+    channel = np.asarray(entry["scale"], dtype=np.float32).reshape(-1)
+    flat = np.asarray(entry["per_block_int_scale"], dtype=np.int64).reshape(-1)
+    if channel.size == 0 or flat.size % channel.size:
+        raise ExportError(
+            f"tensor '{name}': {flat.size} LPBQ block scales for {channel.size} channels"
+        )
+    ints = flat.reshape(channel.size, -1)
+    k, scale = _lpbq_parts(name, bits, int(entry["bw"]), channel.reshape(-1, 1), ints)
+    return TensorEncoding(
+        name,
+        scale,
+        np.zeros(scale.shape, dtype=np.int64),
+        *full_grid(bits, True),
+        bits=bits,
+        signed=True,
+        is_param=is_param,
+        axis=1,
+        block_size=int(entry["block_size"]),
+        axis_implied=True,
+        block_scale_bits=k,
+        channel_scale=channel,
+        block_int_scale=ints,
+    )
+
+
+def _read_lpbq_2_0_0(entry: Mapping[str, Any]) -> TensorEncoding:
+    """2.0.0 LPBQ: both scales in the weight's layout, ``axis`` the block axis; the
+    decompressed grid is twice the weight's (2.0.0 does not say it)."""
+    name = entry["name"]
+    bits, signed = _parse_dtype(entry["output_dtype"])
+    ints = np.asarray(entry["per_block_int_scale"], dtype=np.int64)
+    channel = np.asarray(entry["per_channel_float_scale"], dtype=np.float32)
+    axis = int(entry["axis"])
+    if ints.ndim == 0 or not -ints.ndim <= axis < ints.ndim:
+        raise ExportError(f"tensor '{name}': LPBQ block axis {axis} on scales {ints.shape}")
+    axis %= ints.ndim
+    if channel.ndim != ints.ndim:  # one float per channel, without the block axis
+        shape = list(ints.shape)
+        shape[axis] = 1
+        channel = channel.reshape(shape)
+    k, scale = _lpbq_parts(name, bits, 2 * bits, channel, ints)
+    return TensorEncoding(
+        name,
+        scale,
+        np.zeros(scale.shape, dtype=np.int64),
+        *full_grid(bits, signed),
+        bits=bits,
+        signed=signed,
+        is_param=None,
+        axis=axis,
+        block_size=int(entry["block_size"]),
+        block_scale_bits=k,
+        channel_scale=channel.reshape(-1),
+        block_int_scale=ints,
     )
 
 
@@ -166,6 +254,8 @@ def _parse_dtype(dtype: str) -> tuple[int, bool]:
 
 
 def _read_2_0_0(entry: Mapping[str, Any]) -> TensorEncoding:
+    if "per_block_int_scale" in entry:
+        return _read_lpbq_2_0_0(entry)
     bits, signed = _parse_dtype(entry["output_dtype"])
     scale = np.asarray(entry["y_scale"], dtype=np.float32)
     scale = scale.reshape(1) if scale.ndim == 0 else scale

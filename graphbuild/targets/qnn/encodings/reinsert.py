@@ -18,10 +18,11 @@ import onnx_ir as ir
 
 from graphbuild.errors import ExportError
 from graphbuild.onnx.naming import Namer
+from graphbuild.quant.lpbq import lpbq_axes
 from graphbuild.targets.qnn.encodings.grid import weight_axes
 from graphbuild.targets.qnn.encodings.read import TensorEncoding, read_encodings
 
-__all__ = ["InsertFakeQuantPass", "insert_fake_quant"]
+__all__ = ["InsertFakeQuantPass", "insert_fake_quant", "lpbq_grids"]
 
 _MIN_OPSET = 11  # Round and Clip(min, max inputs)
 
@@ -97,6 +98,25 @@ def _expand_blocks(
         )
     full = np.repeat(values.reshape(grid), block, axis=axis)
     return np.take(full, np.arange(shape[axis]), axis=axis)
+
+
+def lpbq_grids(
+    enc: TensorEncoding, channel_axis: int, block_axis: int, rank: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """An LPBQ encoding's effective block scales and integer block scales laid out on the
+    block grid of its tensor (rank ``rank``, channels along ``channel_axis``, blocks along
+    ``block_axis``): 1.0.0 lists them channel-major, 2.0.0 in the tensor's own layout."""
+    ints = np.asarray(enc.block_int_scale)
+    if not enc.axis_implied:
+        return enc.scale, ints
+    channels = enc.scale.shape[0]
+    ones = (1,) * (rank - 2)
+
+    def laid(a: np.ndarray) -> np.ndarray:
+        a = a.reshape(channels, -1, *ones)
+        return np.moveaxis(a, (0, 1), (channel_axis, block_axis))
+
+    return laid(enc.scale), laid(ints)
 
 
 class InsertFakeQuantPass(ir.passes.InPlacePass):
@@ -213,6 +233,14 @@ class InsertFakeQuantPass(ir.passes.InPlacePass):
         node = weight_of[0]
         return weight_axes(node.op_type, rank, bool(node.attributes.get_int("transB", 0)))
 
+    def _lpbq_axes(self, value: ir.Value, enc: TensorEncoding, rank: int) -> tuple[int, int]:
+        """(channel axis, block axis) of an LPBQ encoding on ``value``: from the consuming op
+        for 1.0.0, the stated block axis and the other varying axis for 2.0.0."""
+        if enc.axis_implied:
+            return self._axes(value, enc, rank)
+        block = int(enc.axis or 0) % rank
+        return lpbq_axes(enc.scale.shape, block, None)
+
     def _constants(self, value: ir.Value, enc: TensorEncoding) -> tuple[np.ndarray, np.ndarray]:
         """Scale and zero point as float32 arrays that broadcast against the tensor."""
         if value.is_initializer() and value.dtype != ir.DataType.FLOAT:
@@ -221,6 +249,11 @@ class InsertFakeQuantPass(ir.passes.InPlacePass):
         if enc.granularity == "PER_TENSOR":
             return scale.reshape(()), zero_point.reshape(())
         dims = self._tensor_dims(value)
+        if enc.granularity == "LPBQ":
+            channel_axis, block_axis = self._lpbq_axes(value, enc, len(dims))
+            grid, _ = lpbq_grids(enc, channel_axis, block_axis, len(dims))
+            full = _expand_blocks(grid, enc, block_axis, dims)
+            return full, np.zeros(full.shape, dtype=np.float32)
         channel_axis, block_axis = self._axes(value, enc, len(dims))
         if enc.granularity == "PER_CHANNEL":
             shape = _channel_shape(enc, channel_axis, dims)

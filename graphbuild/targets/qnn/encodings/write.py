@@ -27,6 +27,7 @@ import torch
 
 from graphbuild.errors import ExportError
 from graphbuild.hashing import digest_bytes, digest_json
+from graphbuild.quant.lpbq import lpbq_axes
 from graphbuild.quant.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.encodings.bias import BiasScale, find_int32_biases
 from graphbuild.targets.qnn.encodings.grid import (
@@ -52,6 +53,8 @@ class _Quantizer:
     spec: QuantSpec
     scale: np.ndarray  # float32; (1,) per-tensor, (C,) per-channel, weight rank if blocked
     zero_point: np.ndarray  # int64, same shape as scale
+    channel_scale: np.ndarray | None = None  # LPBQ: float32 (C,)
+    block_int_scale: np.ndarray | None = None  # LPBQ: int64, shaped like scale
 
     @property
     def offset(self) -> np.ndarray:
@@ -108,7 +111,7 @@ def _with_biases(
     quantizers: list[_Quantizer], model: onnx.ModelProto, names: Mapping[int, str], next_qid: int
 ) -> list[_Quantizer]:
     """``quantizers`` with an int32 bias quantizer after the weight quantizer it derives from."""
-    known = {q.spec.qid: (q.spec, q.scale) for q in quantizers}
+    known = {q.spec.qid: (q.spec, _bias_weight_scale(q)) for q in quantizers}
     after: dict[int, list[_Quantizer]] = {}
     for i, bias in enumerate(find_int32_biases(model, known, names)):
         after.setdefault(bias.weight_qid, []).append(_bias_quantizer(bias, next_qid + i))
@@ -117,6 +120,17 @@ def _with_biases(
         out.append(q)
         out.extend(after.get(q.spec.qid, ()))
     return out
+
+
+def _bias_weight_scale(q: _Quantizer) -> np.ndarray:
+    """The weight scale an int32 bias derives from: an LPBQ weight's per-channel float scale
+    (laid out like its block scales, one block per channel), as AIMET and QNN's execution
+    provider derive it; else the quantizer's own scale."""
+    if q.channel_scale is None:
+        return q.scale
+    shape = list(q.scale.shape)
+    shape[q.spec.axis % len(shape)] = 1
+    return q.channel_scale.reshape(shape)
 
 
 def _bias_quantizer(bias: BiasScale, qid: int) -> _Quantizer:
@@ -187,7 +201,18 @@ def _resolve(spec: QuantSpec, values: QuantValues, names: Mapping[int, str]) -> 
         scale, zero_point = scale.reshape(-1), zero_point.reshape(-1)
     if spec.axis is None and scale.size != 1:
         raise ExportError(f"{where} is per-tensor but has {scale.size} scales")
-    return _Quantizer(names[spec.qid], spec, scale, zero_point)
+    if spec.block_scale_bits is None:
+        return _Quantizer(names[spec.qid], spec, scale, zero_point)
+    if qp.channel_scale is None or qp.block_int_scale is None:
+        raise ExportError(f"{where} is LPBQ but has no per-channel and per-block scales")
+    channel = qp.channel_scale.detach().cpu().to(torch.float32).numpy().reshape(-1).copy()
+    ints = qp.block_int_scale.detach().cpu().to(torch.int64).numpy().reshape(scale.shape).copy()
+    if not np.all(np.isfinite(channel)) or np.any(channel <= 0):
+        raise ExportError(f"{where}: LPBQ channel scales must be finite and positive")
+    top = 2**spec.block_scale_bits
+    if ints.size and (ints.min() < 1 or ints.max() > top):
+        raise ExportError(f"{where}: LPBQ block scales must be integers in [1, {top}]")
+    return _Quantizer(names[spec.qid], spec, scale, zero_point, channel, ints)
 
 
 def _zero_points(zero_point: torch.Tensor, shape: tuple[int, ...], where: str) -> np.ndarray:
@@ -265,7 +290,65 @@ def _ints(a: np.ndarray) -> list[int]:
     return a.reshape(-1).tolist()
 
 
+def _lpbq_axes(q: _Quantizer) -> tuple[int, int]:
+    """(channel axis, block axis) of an LPBQ quantizer's block scales."""
+    return lpbq_axes(q.scale.shape, int(q.spec.axis or 0), q.spec.channel_axis)
+
+
+def _channel_major(q: _Quantizer) -> np.ndarray:
+    """An LPBQ quantizer's integer block scales as (channels, blocks): the order 1.0.0 lists
+    them in whatever the weight's layout (AIMET writes a MatMul weight's transposed)."""
+    channel, block = _lpbq_axes(q)
+    ints = np.moveaxis(q.block_int_scale, (channel, block), (0, 1))
+    return ints.reshape(ints.shape[0], -1)
+
+
+def _entry_1_0_0_lpbq(q: _Quantizer) -> dict[str, Any]:
+    """AIMET's 1.0.0 LPBQ entry: ``bw`` the decompressed bit-width, ``compressed_bw`` the
+    weight's, ``scale`` one float per channel, ``per_block_int_scale`` channel-major,
+    ``offset`` the decompressed signed grid's."""
+    bw = q.spec.bits + int(q.spec.block_scale_bits or 0)
+    return {
+        "name": q.name,
+        "dtype": "INT",
+        "enc_type": "LPBQ",
+        "bw": bw,
+        "compressed_bw": q.spec.bits,
+        "is_sym": True,
+        "scale": _floats(q.channel_scale),
+        "per_block_int_scale": _ints(_channel_major(q)),
+        "offset": [-(2 ** (bw - 1))] * int(q.channel_scale.size),
+        "block_size": q.spec.block_size,
+    }
+
+
+def _entry_2_0_0_lpbq(q: _Quantizer) -> dict[str, Any]:
+    """AIMET's 2.0.0 LPBQ entry: both scales in the weight's layout (the float one with the
+    block axis of length 1), ``axis`` the block axis. 2.0.0 has no field for the decompressed
+    bit-width: it is twice the weight's (AIMET refuses anything else)."""
+    if q.spec.block_scale_bits != q.spec.bits:
+        raise ExportError(
+            f"tensor '{q.name}': encodings 2.0.0 can only express LPBQ with block scales as wide "
+            f"as the weight ({q.spec.bits} bits, decompressed to {2 * q.spec.bits}); this one "
+            f"has {q.spec.block_scale_bits}-bit block scales: use 1.0.0"
+        )
+    dtype, _ = _container(q.spec)
+    _, block = _lpbq_axes(q)
+    shape = list(q.scale.shape)
+    shape[block] = 1
+    return {
+        "name": q.name,
+        "output_dtype": dtype,
+        "per_channel_float_scale": q.channel_scale.astype(np.float64).reshape(shape).tolist(),
+        "per_block_int_scale": q.block_int_scale.tolist(),
+        "axis": block,
+        "block_size": q.spec.block_size,
+    }
+
+
 def _entry_1_0_0(q: _Quantizer) -> dict[str, Any]:
+    if q.channel_scale is not None:
+        return _entry_1_0_0_lpbq(q)
     entry: dict[str, Any] = {
         "name": q.name,
         "dtype": "INT",
@@ -281,6 +364,10 @@ def _entry_1_0_0(q: _Quantizer) -> dict[str, Any]:
 
 
 def _entry_0_6_1(q: _Quantizer) -> list[dict[str, Any]]:
+    if q.channel_scale is not None:
+        raise ExportError(
+            f"tensor '{q.name}': encodings version 0.6.1 cannot express LPBQ; use 1.0.0 or 2.0.0"
+        )
     if q.spec.block_size is not None:
         raise ExportError(
             f"tensor '{q.name}': encodings version 0.6.1 cannot express blocked quantization; "
@@ -300,6 +387,8 @@ def _entry_0_6_1(q: _Quantizer) -> list[dict[str, Any]]:
 
 
 def _entry_2_0_0(q: _Quantizer) -> dict[str, Any]:
+    if q.channel_scale is not None:
+        return _entry_2_0_0_lpbq(q)
     dtype, bits = _container(q.spec)
     lo, hi = full_grid(bits, q.spec.signed)
     if np.any(q.zero_point < lo) or np.any(q.zero_point > hi):

@@ -24,6 +24,8 @@ __all__ = [
 _QNN_FLOAT_TYPES = {0x0216: "float16", 0x0232: "float32", 0x0264: "float64"}
 #: QNN ops whose float side is their job: they convert to or from the quantized grid
 _CONVERSIONS = frozenset({"Quantize", "Dequantize", "Cast", "Convert"})
+#: QNN's ``QNN_QUANTIZATION_ENCODING_BLOCKWISE_EXPANSION``: a tensor in LPBQ blocks
+_LPBQ_ENCODING = 5
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class PartitionReport:
     qnn_ops: int = 0
     float_ops: tuple[FloatOp, ...] = ()
     qnn_graphs: int = 0
+    #: tensors QNN holds in LPBQ blocks (blockwise expansion: integer block scales under a
+    #: float scale per channel), by QNN's names
+    lpbq_tensors: tuple[str, ...] = ()
 
     @property
     def fully_on_qnn(self) -> bool:
@@ -66,7 +71,10 @@ class PartitionReport:
         line = f"{self.qnn_nodes}/{self.total_nodes} ONNX nodes on QNN"
         if self.cpu_nodes:
             line += f", {len(self.cpu_nodes)} on the CPU"
-        return line + f", {len(self.float_ops)} QNN ops float"
+        line += f", {len(self.float_ops)} QNN ops float"
+        if self.lpbq_tensors:
+            line += f", {len(self.lpbq_tensors)} LPBQ weights"
+        return line
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> PartitionReport:
@@ -81,6 +89,7 @@ class PartitionReport:
                 for o in doc.get("float_ops", ())
             ),
             qnn_graphs=int(doc.get("qnn_graphs", 0)),
+            lpbq_tensors=tuple(doc.get("lpbq_tensors", ())),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -90,6 +99,7 @@ class PartitionReport:
             {**asdict(o), "float_tensors": list(o.float_tensors), "dtypes": list(o.dtypes)}
             for o in self.float_ops
         ]
+        doc["lpbq_tensors"] = list(self.lpbq_tensors)
         return doc
 
 
@@ -107,16 +117,23 @@ def _assignment(session: Any) -> tuple[int, int, list[tuple[str, str]]]:
     return total, qnn, cpu
 
 
-def _float_ops(json_dir: Path) -> tuple[int, int, list[FloatOp]]:
-    """(QNN graphs, their ops, the float ones) from the graphs QNN EP dumped as JSON."""
+def _float_ops(json_dir: Path) -> tuple[int, int, list[FloatOp], list[str]]:
+    """(QNN graphs, their ops, the float ones, the LPBQ tensors) from the graphs QNN EP
+    dumped as JSON."""
     graphs = ops = 0
     found: list[FloatOp] = []
+    lpbq: list[str] = []
     for path in sorted(json_dir.glob("*.json")):
         if path.name.endswith("_tensor_log.json"):
             continue
         graph = json.loads(path.read_text()).get("graph", {})
         tensors = graph.get("tensors", {})
         graphs += 1
+        lpbq += [
+            name
+            for name, tensor in tensors.items()
+            if (tensor.get("quant_params") or {}).get("encoding") == _LPBQ_ENCODING
+        ]
         for name, node in graph.get("nodes", {}).items():
             ops += 1
             op_type = str(node.get("type", ""))
@@ -131,7 +148,7 @@ def _float_ops(json_dir: Path) -> tuple[int, int, list[FloatOp]]:
                 names = tuple(dict.fromkeys(t for t, _ in floats))
                 dtypes = tuple(dict.fromkeys(d for _, d in floats))
                 found.append(FloatOp(name, op_type, names, dtypes))
-    return graphs, ops, found
+    return graphs, ops, found, sorted(lpbq)
 
 
 _VALIDATION = re.compile(
@@ -170,7 +187,7 @@ def read_partition(session: Any, log: str, json_dir: Path) -> PartitionReport:
     JSON into ``json_dir``."""
     total, qnn, cpu = _assignment(session)
     why = _reasons(log)
-    graphs, ops, floats = _float_ops(json_dir)
+    graphs, ops, floats, lpbq = _float_ops(json_dir)
     return PartitionReport(
         total_nodes=total,
         qnn_nodes=qnn,
@@ -178,4 +195,5 @@ def read_partition(session: Any, log: str, json_dir: Path) -> PartitionReport:
         qnn_ops=ops,
         float_ops=tuple(floats),
         qnn_graphs=graphs,
+        lpbq_tensors=tuple(lpbq),
     )

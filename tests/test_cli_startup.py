@@ -1,0 +1,72 @@
+"""Commands that do not export start without torch: ``graphbuild --help``, ``cache ...`` and
+``targets`` import neither torch nor onnx (nor numpy or networkx, which only the export
+needs). Each command runs in a fresh interpreter that then lists what it imported; the time
+it takes is measured in ``bench/bench_cli.py``, never here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: What an export needs and a command that does not export must not import.
+HEAVY = ("torch", "torchao", "onnx", "onnxscript", "onnxruntime", "numpy", "networkx")
+
+RUN_AND_LIST = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+
+    command, heavy = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    sys.argv = ["graphbuild", *command]
+    from graphbuild.cli import main
+
+    code = None
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main()
+        except SystemExit as done:
+            code = done.code
+    print(json.dumps({"code": code, "imported": sorted(m for m in heavy if m in sys.modules)}))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["--help"],
+        ["export", "--help"],
+        ["cache", "path"],
+        ["cache", "stats"],
+        ["cache", "stats", "--json"],
+        ["cache", "ls"],
+        ["targets"],
+    ],
+    ids=" ".join,
+)
+def test_a_command_that_does_not_export_imports_neither_torch_nor_onnx(command, tmp_path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "GRAPHBUILD_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    env.pop("GRAPHBUILD_DEBUG", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_AND_LIST, json.dumps(command), json.dumps(HEAVY)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["code"] in (0, None), proc.stderr[-2000:]
+    assert result["imported"] == []
