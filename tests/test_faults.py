@@ -28,7 +28,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
