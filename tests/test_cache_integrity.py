@@ -433,6 +433,64 @@ def test_a_read_only_cache_gives_hits(warm):
         shutil.rmtree(base)
 
 
+@pytest.mark.parametrize("value", [True, None, "false", 0])
+def test_a_stored_flag_other_than_false_is_a_corrupt_entry(tmp_path, warm, value):
+    cache_dir, clean = warm
+    key, m = of_stage(cache_dir, "weights")
+    m["artifact"]["stored"] = value
+    rewrite(cache_dir, key, m)
+
+    reset()
+    export(tmp_path / "out", cache_dir)
+
+    assert CALLS == ["weights"]
+    assert files_under(tmp_path / "out") == clean
+    assert Cache(cache_dir).stats().corrupt == 1
+
+
+def test_only_an_entry_as_a_whole_keeps_no_bytes_never_a_part_of_it():
+    from graphbuild.cache.manifest import InvalidManifest, check_artifact
+    from graphbuild.engine.codecs import encode
+
+    whole = encode(({"a": torch.zeros(2)}, "x")).describe()
+    assert check_artifact({**whole, "stored": False}) == whole["digest"]
+    whole["children"][0]["stored"] = False
+    with pytest.raises(InvalidManifest, match="stored"):
+        check_artifact(whole)
+
+
+def test_an_entry_marked_as_keeping_no_bytes_is_recomputed_and_checked(tmp_path, warm):
+    cache_dir, clean = warm
+    key, m = of_stage(cache_dir, "note")
+    m["artifact"]["stored"] = False  # as a rematerializing stage writes it
+    m["bytes"] = 0
+    rewrite(cache_dir, key, m)
+
+    reset()
+    art = export(tmp_path / "out", cache_dir)
+
+    assert CALLS == ["note"] and art.report["note"].status == "hit"
+    assert files_under(tmp_path / "out") == clean
+
+
+def test_an_entry_keeping_no_bytes_that_names_another_output_places_nothing(tmp_path, warm):
+    from graphbuild.errors import FingerprintMismatchError, StageError
+
+    cache_dir, _ = warm
+    key, m = of_stage(cache_dir, "note")
+    m["artifact"]["stored"] = False
+    m["artifact"]["meta"]["name"] = "net.other"  # self-consistent, and not what note makes
+    m["bytes"] = 0
+    redigest(m["artifact"])
+    rewrite(cache_dir, key, m)
+
+    with pytest.raises(StageError, match="'note'") as err:
+        export(tmp_path / "out", cache_dir)
+
+    assert isinstance(err.value.cause, FingerprintMismatchError)
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------- records
 
 

@@ -5,6 +5,7 @@ CI's compat matrix (``.ci/matrix``) runs this file under every supported torch r
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,12 @@ def test_serializing_leaves_torch_serializer_as_it_was() -> None:
     from torch._export.serde import serialize as serde
 
     def current():
-        return (serde.serialize_torch_artifact, getattr(serde, "typing", None), serde.canonicalize)
+        return (
+            serde.serialize_torch_artifact,
+            getattr(serde, "typing", None),
+            serde.canonicalize,
+            serde._dict_to_dataclass,
+        )
 
     before = current()
     graph = compat.serialize_program_graph(_program())
@@ -111,6 +117,46 @@ def test_deserializing_looks_up_each_schema_class_type_hints_once(monkeypatch) -
     looked_up.clear()
     compat.deserialize_program(graph, _program().state_dict, {})
     assert looked_up and len(looked_up) == len(set(looked_up))
+
+
+def _schema_objects(graph: bytes, planned: bool) -> object:
+    """What torch's deserializer makes of a program's JSON, with or without the plans."""
+    from torch._export.serde import schema
+    from torch._export.serde import serialize as serde
+
+    with compat._planned_dataclasses() if planned else contextlib.nullcontext():
+        return serde._bytes_to_dataclass(schema.ExportedProgram, graph)
+
+
+def test_planned_schema_conversion_gives_torchs_own_dataclasses() -> None:
+    from tests.models import FakeQuantConvNet
+
+    if not compat._dict_to_dataclass_is_known():
+        pytest.skip("this torch's _dict_to_dataclass is not one the plans repeat")
+
+    torch.manual_seed(0)
+    fake_quant = torch.export.export(FakeQuantConvNet().eval(), (torch.randn(1, 3, 16, 16),))
+    for program in (_program(), fake_quant):
+        graph = compat.serialize_program_graph(program)
+        ours, torchs = _schema_objects(graph, True), _schema_objects(graph, False)
+        assert ours == torchs and repr(ours) == repr(torchs)
+
+
+def test_an_unknown_dict_to_dataclass_is_left_as_torch_has_it(monkeypatch) -> None:
+    from torch._export.serde import serialize as serde
+
+    real = serde._dict_to_dataclass
+    monkeypatch.setattr(compat, "_DICT_TO_DATACLASS_SOURCES", frozenset())
+    compat._dict_to_dataclass_is_known.cache_clear()
+    try:
+        with compat._planned_dataclasses():
+            assert serde._dict_to_dataclass is real
+        graph = compat.serialize_program_graph(_program())
+        restored = compat.deserialize_program(graph, _program().state_dict, {})
+        assert [n.op for n in restored.graph.nodes] == [n.op for n in _program().graph.nodes]
+    finally:
+        compat._dict_to_dataclass_is_known.cache_clear()
+    assert serde._dict_to_dataclass is real
 
 
 def test_quantized_decomposed_ops_are_registered_on_demand() -> None:
@@ -194,6 +240,8 @@ def test_the_installed_torch_takes_the_current_branches() -> None:
     assert compat._constructor_takes_verifiers()
     if compat.TORCH_VERSION >= (2, 13):
         assert compat._serialize_takes_part_flags()
+    if compat.TORCH_VERSION == (2, 14):
+        assert compat._dict_to_dataclass_is_known()
 
 
 class _Halves(torch.nn.Module):

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +18,14 @@ import torch
 import graphbuild as gb
 from graphbuild.errors import FingerprintMismatchError, StageError
 from graphbuild.onnx import bind as bind_module
+from graphbuild.onnx import filesystem
 from graphbuild.onnx import save as save_module
 from graphbuild.onnx.bind import BoundModel
 from graphbuild.onnx.save import PreviousFile, save_model, write_model
 from tests.models import FakeQuantConvNet
 from tests.test_bind_save import mixed_bound_model
 
+real_shares_blocks = filesystem.shares_blocks
 SAMPLE = (torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(5)),)
 
 
@@ -30,6 +35,13 @@ def fresh_memo():
     bind_module._Memo.clear()
     yield
     bind_module._Memo.clear()
+
+
+@pytest.fixture(autouse=True)
+def blocks_shared(monkeypatch):
+    """The writer copies from a previous file where the file system shares blocks (btrfs,
+    XFS): these tests run it as it runs there, whatever file system holds tmp_path."""
+    monkeypatch.setattr(save_module, "shares_blocks", lambda fd: True)
 
 
 @pytest.fixture
@@ -158,6 +170,56 @@ def test_without_copy_file_range_every_tensor_is_written(tmp_path, monkeypatch):
     assert new.copied == 0 and new.path.read_bytes() == old.path.read_bytes()
 
 
+def test_where_the_file_system_shares_no_blocks_every_tensor_is_written(
+    tmp_path, monkeypatch, copies
+):
+    """On ext4 or tmpfs a range copy moves the bytes as a write does, and the read-back
+    check makes it dearer: the tensors, in memory anyway, are written."""
+    monkeypatch.setattr(save_module, "shares_blocks", real_shares_blocks)
+    monkeypatch.setattr(filesystem, "file_system_type", lambda fd: 0xEF53)  # ext4
+    first = mixed_bound_model()
+    (tmp_path / "a").mkdir()
+    (old,) = write_model(first, tmp_path / "a" / "m.onnx", external_data=False)
+    (new,) = write_model(
+        first,
+        tmp_path / "b" / "m.onnx",
+        external_data=False,
+        previous=[PreviousFile(old.path, old.ranges)],
+    )
+    assert copies == [] and new.copied == 0
+    assert new.path.read_bytes() == old.path.read_bytes() and new.ranges == old.ranges
+
+
+@pytest.mark.skipif(shutil.which("stat") is None, reason="needs coreutils' stat")
+def test_the_file_system_type_is_the_one_stat_reports(tmp_path):
+    with open(tmp_path / "f", "wb") as f:
+        found = filesystem.file_system_type(f.fileno())
+    if found is None:
+        pytest.skip("no fstatfs on this platform")
+    shown = subprocess.run(
+        ["stat", "-f", "-c", "%t", str(tmp_path / "f")], capture_output=True, text=True
+    )
+    assert found == int(shown.stdout.strip(), 16)
+
+
+def test_a_large_file_is_streamed_to_disk_as_it_is_written(tmp_path, monkeypatch):
+    """Each range goes to the disk once written, in order, and the one before it is released
+    from the page cache; the bytes are those of a file written at once."""
+    handed: list[tuple[int, int]] = []
+    released: list[tuple[int, int]] = []
+    monkeypatch.setattr(filesystem, "start_writeback", lambda fd, a, n: handed.append((a, n)))
+    monkeypatch.setattr(filesystem, "release", lambda fd, a, n: released.append((a, n)))
+    monkeypatch.setattr(save_module, "_STREAM_BYTES", 64)
+    bound = mixed_bound_model()
+    (saved,) = write_model(bound, tmp_path / "a" / "m.onnx", external_data=False)
+    assert len(handed) > 2 and handed[0][0] == 0 and all(n >= 64 for _, n in handed)
+    assert all(a + n == b for (a, n), (b, _) in zip(handed, handed[1:], strict=False))
+    assert released == handed[:-1]  # the latest range stays until the next one is written
+    monkeypatch.setattr(save_module, "_STREAM_BYTES", 1 << 62)
+    (whole,) = write_model(bound, tmp_path / "b" / "m.onnx", external_data=False)
+    assert saved.path.read_bytes() == whole.path.read_bytes()
+
+
 # --------------------------------------------------------------------------- bind
 
 
@@ -256,6 +318,19 @@ def test_an_edited_output_file_is_not_copied_into_the_next_export(tmp_path):
     assert files(out) == files(tmp_path / "fresh")
 
 
+def test_the_files_an_export_replaced_are_removed_after_it_returns(tmp_path):
+    m = model()
+    (tmp_path / "outs").mkdir()
+    export(m, tmp_path / "outs" / "out", tmp_path / "cache")
+    with torch.no_grad():
+        m.fc.weight.mul_(0.5)
+    export(m, tmp_path / "outs" / "out", tmp_path / "cache")
+    for thread in threading.enumerate():
+        if thread.name == "graphbuild-remove-replaced":
+            thread.join()
+    assert [p.name for p in (tmp_path / "outs").iterdir()] == ["out"]
+
+
 # --------------------------------------------------------------------------- cache writes
 
 
@@ -273,3 +348,17 @@ def test_the_cache_holds_every_output_when_export_returns(tmp_path):
     export(m, tmp_path / "out", tmp_path / "cache")
     art = export(m, tmp_path / "other", gb.Cache(tmp_path / "cache"))  # another Cache object
     assert art.report.ran == []
+
+
+def test_the_cache_keeps_the_digest_of_bound_weights_not_their_bytes(tmp_path):
+    m = model()
+    first = export(m, tmp_path / "out", tmp_path / "cache")
+    cache = gb.Cache(tmp_path / "cache")
+    bound = cache.lookup(first.report["bind"].key)
+    assert bound["bytes"] == 0 and bound["artifact"]["digest"] == first.report["bind"].digest
+    tensors = bound["artifact"]["parts"][1:]  # the skeleton, then one part per tensor
+    assert len(tensors) > 3 and not any(cache.blobs.has(d, s) for d, s in tensors)
+    bind_module._Memo.clear()  # as in a new process
+    again = export(m, tmp_path / "other", cache)
+    assert again.report.ran == [] and again.report["bind"].status == "hit"
+    assert files(tmp_path / "other") == files(tmp_path / "out")

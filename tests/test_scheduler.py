@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
 
 from graphbuild.cache import FileBlobs
+from graphbuild.cache.manifest import blob_refs
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.scheduler import EventKind
 from graphbuild.engine.store import Cache
@@ -401,6 +403,90 @@ def test_check_mode_fails_loudly_when_a_hit_reads_something_undeclared(tmp_path)
         assert "scaled" in str(err.value)
     finally:
         _HIDDEN["factor"] = 2
+
+
+# --------------------------------------------------------------------------- rematerialize
+
+
+def rematerializing_pipeline(bind=_bind) -> Pipeline:
+    """export_pipeline with ``bind`` keeping only its digest in the cache."""
+    p = export_pipeline()
+    p.replace_stage("bind", stage("bind", bind), reads=())
+    p.graph.nodes["bind"]["stage"] = replace(p._stage("bind"), rematerialize=True)
+    return p
+
+
+def test_a_rematerializing_stage_stores_its_digest_and_none_of_its_bytes(cache):
+    first, _ = run(rematerializing_pipeline(), tiny_net(), cache)
+    manifest = cache.lookup(first.report["bind"].key)
+    assert manifest["artifact"]["digest"] == first.report["bind"].digest
+    assert blob_refs(manifest["artifact"]) == [] and manifest["bytes"] == 0
+    bind_blob = manifest["artifact"]["parts"][0][0]
+    assert not cache.blobs.has(bind_blob, manifest["artifact"]["parts"][0][1])
+    assert cache.lookup(first.report["weights"].key)["bytes"] > 0  # the others keep theirs
+
+
+def test_a_rematerialized_hit_is_neither_run_nor_loaded_unless_asked_for(cache):
+    run(rematerializing_pipeline(), tiny_net(), cache)
+    second, rec = run(rematerializing_pipeline(), tiny_net(), cache)
+    assert set(second.report.statuses.values()) == {"hit"}
+    assert CALLS == [] and DECODES == [] and rec.of(EventKind.LOADED) == []
+
+
+def test_a_rematerialized_hit_asked_for_is_recomputed_from_its_inputs(cache):
+    fresh, _ = run(rematerializing_pipeline(), tiny_net(), cache)
+    expected = fresh.outputs["bind"]
+    result, rec = run(rematerializing_pipeline(), tiny_net(), cache)
+    assert result.outputs["bind"] == expected
+    assert CALLS == ["bind"]  # recomputed, once: its inputs loaded from the cache
+    assert rec.of(EventKind.LOADED) == ["to_onnx", "weights", "bind"]
+    assert result.outputs["bind"] == expected and CALLS == ["bind"]
+    assert result.report["bind"].status == "hit"
+
+
+def _ship(inputs, samples, ctx):
+    return Box(f"{ctx['destination']}:{inputs[0].text}")
+
+
+def test_a_rematerialized_dependency_feeds_a_dirty_dependent(cache):
+    p = rematerializing_pipeline()
+    p.register_stage(stage("ship", _ship), "ship", reads=("ctx.destination",)).depends_on("bind")
+    model = tiny_net()
+    first, _ = run(p, model, cache, context={**CONTEXT, "destination": "a"})
+    result, _ = run(p, model, cache, context={**CONTEXT, "destination": "b"})
+    assert result.report.ran == ["ship"] and result.report["bind"].status == "hit"
+    assert result.outputs["ship"] == Box(f"b:{first.outputs['bind'].text}")
+
+
+_SALT = {"value": "a"}
+
+
+def _salted_bind(inputs, samples, ctx):
+    return Box(" + ".join(i.text for i in inputs) + _SALT["value"])  # undeclared: a global
+
+
+def test_a_rematerialized_stage_that_gives_another_output_fails_naming_it(cache):
+    from graphbuild.errors import FingerprintMismatchError
+
+    run(rematerializing_pipeline(_salted_bind), tiny_net(), cache)
+    _SALT["value"] = "b"
+    try:
+        result, rec = run(rematerializing_pipeline(_salted_bind), tiny_net(), cache)
+        with pytest.raises(StageError, match="'bind'") as err:
+            result.outputs["bind"]
+        assert isinstance(err.value.cause, FingerprintMismatchError)
+        assert result.report["bind"].status == "failed"
+        assert rec.of(EventKind.FAILED) == ["bind"]
+    finally:
+        _SALT["value"] = "a"
+
+
+def test_check_mode_keeps_the_value_it_recomputed_for_a_rematerialized_hit(cache):
+    run(rematerializing_pipeline(), tiny_net(), cache)
+    result, rec = run(rematerializing_pipeline(), tiny_net(), cache, check=True)
+    assert CALLS.count("bind") == 1
+    result.outputs["bind"]
+    assert CALLS.count("bind") == 1 and "bind" not in rec.of(EventKind.LOADED)
 
 
 def _frozen_now(inputs, samples, ctx):

@@ -7,7 +7,9 @@ part names a digest and a size, and a file artifact's name is a plain name. A ma
 fails is corrupt: a miss, never an error, never a path.
 
 The description lists every blob the entry holds (:func:`blob_refs`): the cache learns what
-an entry references from its manifest alone, never by decoding the artifact.
+an entry references from its manifest alone, never by decoding the artifact. An entry of a
+stage that rematerializes its output keeps the description (and so the digest) of what the
+stage made but none of its bytes (``"stored": false``): it holds no blob.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ _MAX_DEPTH = 64
 _MAX_COUNT = 2**53  # bytes: far beyond any artifact, and exact as a float
 _MAX_NUMBER = 1e12  # seconds and timestamps: some 30 000 years
 _ARTIFACT_KEYS = {"codec", "meta", "digest", "parts", "children"}
+_STORED = "stored"
 
 
 class InvalidManifest(ValueError):
@@ -52,8 +55,10 @@ def check_artifact(description: Any, depth: int = 0) -> str:
     """The artifact digest of a description whose digest matches its contents."""
     if depth > _MAX_DEPTH:
         raise InvalidManifest("artifact nested too deeply")
-    if type(description) is not dict or set(description) != _ARTIFACT_KEYS:
+    if type(description) is not dict or set(description) - {_STORED} != _ARTIFACT_KEYS:
         raise InvalidManifest("artifact description has the wrong fields")
+    if _STORED in description and (depth > 0 or description[_STORED] is not False):
+        raise InvalidManifest("'stored' is only ever false, on an entry's own artifact")
     codec, parts, children = description["codec"], description["parts"], description["children"]
     if type(codec) is not str or type(parts) is not list or type(children) is not list:
         raise InvalidManifest("artifact description has the wrong types")
@@ -203,11 +208,25 @@ def _table_of(value: Any, *kinds: type) -> bool:
 
 
 def blob_refs(description: dict[str, Any]) -> list[tuple[str, int]]:
-    """Every (blob digest, size) an artifact description references, parts before children."""
+    """Every (blob digest, size) an artifact description references, parts before children;
+    none for an artifact whose bytes are not stored (:func:`bytes_stored`)."""
+    if not bytes_stored(description):
+        return []
     out = [(d, s) for d, s in description["parts"]]
     for c in description["children"]:
         out.extend(blob_refs(c))
     return out
+
+
+def bytes_stored(description: dict[str, Any]) -> bool:
+    """False for the artifact of a stage that rematerializes its output: the entry keeps its
+    digest, and a run that needs the value recomputes it from the stage's inputs."""
+    return description.get(_STORED) is not False
+
+
+def without_bytes(description: dict[str, Any]) -> dict[str, Any]:
+    """``description`` marked as holding none of its bytes (same digest)."""
+    return {**description, _STORED: False}
 
 
 def _count(manifest: dict[str, Any], field: str) -> None:

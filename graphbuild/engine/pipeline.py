@@ -37,13 +37,20 @@ UNKEYED_INPUT = "input.object"
 
 @dataclass(frozen=True)
 class Stage:
-    """A stage's definition: what it computes and what it declares it reads."""
+    """A stage's definition: what it computes and what it declares it reads.
+
+    ``rematerialize``: the cache keeps the output's digest and description, not its bytes; a
+    run that needs the value of a hit recomputes it from the stage's inputs and checks it has
+    that digest. For a stage whose output is large and a cheap function of what the run holds
+    anyway (``bind``: the model's weights), where storing the bytes costs more than making
+    them again."""
 
     name: str
     fn: StageFn
     capture_output: bool = False
     reads: tuple[str, ...] | None = None
     version: str | None = None
+    rematerialize: bool = False
 
 
 def _check_reads(name: str, reads: Iterable[str] | None) -> tuple[str, ...] | None:
@@ -122,14 +129,18 @@ class Pipeline:
         capture_stage_output: bool = False,
         reads: Iterable[str] | None = None,
         version: str | None = None,
+        rematerialize: bool = False,
     ) -> StageRef:
-        """Add a stage; ``name`` defaults to the function's name."""
+        """Add a stage; ``name`` defaults to the function's name. ``rematerialize``: cache
+        the output's digest only, and recompute the value where a run needs it (:class:`Stage`)."""
         name = name or getattr(fn, "__name__", None)
         if not name:
             raise PipelineError("a stage needs a name")
         if name in self.graph:
             raise PipelineError(f"a stage named '{name}' is already registered")
-        stage = Stage(name, fn, capture_stage_output, _check_reads(name, reads), version)
+        stage = Stage(
+            name, fn, capture_stage_output, _check_reads(name, reads), version, rematerialize
+        )
         self.graph.add_node(name, stage=stage, index=next(self._order))
         return StageRef(self, name)
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
+from graphbuild.cache.manifest import bytes_stored
 from graphbuild.engine import digest_memo, source_memo
 from graphbuild.engine.checking import check_mode
 from graphbuild.engine.codecs import encode
@@ -212,6 +213,19 @@ class _Run(Keys):
                 self.states[name].record.reason = f"built by {waited_for} while this run waited"
             return None
 
+    def _recompute(self, name: str) -> tuple[Any, str]:
+        """Run a stage whose key hit on its (loaded) inputs, guarded as :meth:`_execute`
+        guards it: its value and that value's digest."""
+        stage = self.pipeline._stage(name)
+        inputs = self._inputs(name)
+        ctx = self._context(name, stage, self.states[name].reads)
+        before = self._snapshots(name, inputs, ctx)
+        value = stage.fn(inputs, self.samples, ctx)
+        if ctx.violation is not None:  # read undeclared, then caught the error
+            raise ctx.violation
+        self._check_inputs(name, before)
+        return value, encode(value).digest
+
     def _check_hit(self, name: str) -> None:
         """Check mode: recompute a hit and fail loudly if its output differs from the cached
         one, which means the stage reads something its key does not cover."""
@@ -220,12 +234,7 @@ class _Run(Keys):
         stage = self.pipeline._stage(name)
         t0 = time.perf_counter()
         try:
-            inputs = self._inputs(name)
-            ctx = self._context(name, stage, st.reads)
-            before = self._snapshots(name, inputs, ctx)
-            value = stage.fn(inputs, self.samples, ctx)
-            self._check_inputs(name, before)
-            digest = encode(value).digest
+            value, digest = self._recompute(name)
         except InputMutationError as err:
             rec.status, rec.error = StageStatus.FAILED, str(err)
             rec.seconds = time.perf_counter() - t0
@@ -239,6 +248,8 @@ class _Run(Keys):
             digest, value = None, err
         if digest == rec.digest:
             rec.reason = "checked: recomputed output matches the cache"
+            if not st.has_value:  # what a load would give: no second load or rematerialization
+                st.value, st.has_value = value, True
             return
         err = FingerprintMismatchError(
             f"stage '{name}' hit the cache (key {rec.key}) but recomputing it gave "
@@ -282,6 +293,8 @@ class _Run(Keys):
             return st.value
         if st.manifest is None:
             raise GraphbuildError(f"stage '{name}' has no output (status {st.record.status})")
+        if not bytes_stored(st.manifest["artifact"]):
+            return self._rematerialize(name)
         t0 = time.perf_counter()
         try:
             value = self.cache.load(st.manifest)  # type: ignore[union-attr]
@@ -293,6 +306,38 @@ class _Run(Keys):
             return st.value
         st.value, st.has_value = value, True
         self.emit(StageEvent(EventKind.LOADED, name, st.record.key, time.perf_counter() - t0))
+        return value
+
+    def _rematerialize(self, name: str) -> Any:
+        """The value of a hit whose entry keeps the digest, not the bytes: the stage runs
+        again on its inputs and must give the digest its entry records (a stage that does
+        not is not a function of its key, and fails here rather than place another
+        output)."""
+        st = self.states[name]
+        rec = st.record
+        t0 = time.perf_counter()
+        try:
+            value, digest = self._recompute(name)
+            if digest != rec.digest:
+                raise FingerprintMismatchError(
+                    f"stage '{name}' keeps its output's digest in the cache, not its bytes, and "
+                    f"recomputing it gave another output ({(rec.digest or '')[:12]} recorded, "
+                    f"{digest[:12]} now): it reads something its key does not cover (find it "
+                    "with --check-fingerprints)"
+                )
+        except (StageError, KeyboardInterrupt, SystemExit):
+            raise  # an upstream's own failure, already recorded
+        except Exception as err:
+            rec.status, rec.error = StageStatus.FAILED, f"{type(err).__name__}: {err}"
+            rec.seconds = time.perf_counter() - t0
+            if isinstance(err, InputMutationError):
+                self.stopped = name
+            self.failure = StageError(name, err, tuple(self.ran_order))
+            self.emit(StageEvent(EventKind.FAILED, name, rec.key, rec.seconds, rec.reason, err))
+            raise self.failure from err
+        st.value, st.has_value = value, True
+        why = "recomputed: its cache entry keeps the output's digest, not its bytes"
+        self.emit(StageEvent(EventKind.LOADED, name, rec.key, time.perf_counter() - t0, why))
         return value
 
     def _inputs(self, name: str) -> Any:
@@ -354,7 +399,9 @@ class _Run(Keys):
             if key is not None:
                 record = self._manifest_record(name, encoded)
                 after = lease.release if lease is not None else None
-                self.writer.submit(key, encoded, record, after)  # type: ignore[union-attr]
+                self.writer.submit(  # type: ignore[union-attr]
+                    key, encoded, record, after, keep_bytes=not stage.rematerialize
+                )
                 stored = True
         self._remember(name)
         self.emit(StageEvent(EventKind.RAN, name, key, rec.seconds, rec.reason))

@@ -15,6 +15,7 @@ from typing import Any
 
 from graphbuild.cache.base import CorruptBlob
 from graphbuild.cache.leases import LeaseHolding
+from graphbuild.cache.manifest import without_bytes
 from graphbuild.cache.store import (
     ByteCache,
     CacheEntry,
@@ -103,8 +104,14 @@ class Cache(ByteCache, LeaseHolding):
                 f"{manifest.get('stage', '?')}: cannot decode ({type(err).__name__}: {err})"
             ) from err
 
-    def store(self, key: str, encoded: Encoded, record: dict[str, Any]) -> bool:
+    def store(
+        self, key: str, encoded: Encoded, record: dict[str, Any], keep_bytes: bool = True
+    ) -> bool:
         """Write the encoded value's blobs then its manifest; False (with one warning) when
-        the cache is not writable."""
+        the cache is not writable. Without ``keep_bytes`` only the manifest is written: the
+        entry gives the output's digest (a hit, early cutoff) and the run that needs the value
+        recomputes it (a stage that rematerializes its output)."""
+        if not keep_bytes:
+            return self.put(key, without_bytes(encoded.describe()), (), record)
         blobs = ((part.digest, part.data) for part in encoded.all_parts())
         return self.put(key, encoded.describe(), blobs, record)

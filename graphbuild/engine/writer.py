@@ -33,22 +33,25 @@ class CacheWriter:
         encoded: Any,
         record: dict[str, Any],
         after: Callable[[], None] | None = None,
+        *,
+        keep_bytes: bool = True,
     ) -> None:
-        """Store ``encoded`` under ``key``; then call ``after`` (whatever happened: it
-        releases the lease on the key, which waiters in other processes watch)."""
+        """Store ``encoded`` under ``key`` (without its bytes when not ``keep_bytes``: the
+        manifest and digest only); then call ``after`` (whatever happened: it releases the
+        lease on the key, which waiters in other processes watch)."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._work, name="graphbuild-cache-writer", daemon=True
             )
             self._thread.start()
-        self._queue.put((key, encoded, record, after))
+        self._queue.put((key, encoded, record, after, keep_bytes))
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
-            key, encoded, record, after = item
+            key, encoded, record, after, keep_bytes = item
             try:
                 if self._error is None:  # after a failure, nothing more is stored
-                    self.cache.store(key, encoded, record)
+                    self.cache.store(key, encoded, record, keep_bytes)
             except BaseException as err:  # surfaced by finish(), in the caller's thread
                 self._error = err
             finally:

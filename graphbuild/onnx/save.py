@@ -3,13 +3,21 @@
 The protobuf is written field by field around the tensors (no >2 GiB message is built, no full
 copy of the weights is made), inline or with external data, each file atomically.
 
-:func:`write_model` can build a file from a previously written one: a tensor whose bytes have
-a digest that a range of the previous file was recorded under is copied from there in the
-kernel (``os.copy_file_range``, which also shares the blocks where the file system can), then
-read back and hashed; a range that does not hash to its digest (the file was edited, truncated
-or replaced) is written from memory instead. The file is byte for byte what a full write gives,
-and nothing unverified reaches it (DESIGN.md, invariant 8). :func:`write_segments` does the
-same for a file of another format (:class:`SegmentedFile`: a GGUF file, say).
+:func:`write_model` can build a file from a previously written one where the file system
+shares blocks between files (btrfs, XFS: :func:`~graphbuild.onnx.filesystem.shares_blocks`): a
+tensor whose bytes have a digest that a range of the previous file was recorded under is copied
+from there in the kernel (``os.copy_file_range``, which shares the blocks), then read back and
+hashed; a range that does not hash to its digest (the file was edited, truncated or replaced)
+is written from memory instead. Where the file system does not share blocks (ext4, tmpfs) a
+range copy moves the bytes as a write does, and reading it back makes it dearer than writing
+the tensor, which is in memory: every tensor is written. The file is byte for byte what a full
+write gives, and nothing unverified reaches it (DESIGN.md, invariant 8). :func:`write_segments`
+does the same for a file of another format (:class:`SegmentedFile`: a GGUF file, say).
+
+Each file is fsynced once, before it is renamed into place. A large one is streamed to disk as
+it is written (:class:`~graphbuild.onnx.filesystem.Streamer`): its ranges go to the disk as they
+are written and leave the page cache once there, so writing it reuses a few ranges' worth of
+memory and the fsync finds only the tail to write.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from graphbuild.onnx.bind import (
     is_reference,
     iter_references,
 )
+from graphbuild.onnx.filesystem import Streamer, shares_blocks
 
 EXTERNAL_DATA_THRESHOLD = 2**31
 """Above this many tensor bytes :func:`save_model` writes external data (protobuf's limit)."""
@@ -44,6 +53,8 @@ _PAGE_ALIGNMENT = 4096
 map it, and a file system with shared extents can clone it whole when the file is rebuilt."""
 _PAGE_ALIGNED_BYTES = 64 << 10
 _READ_CHUNK = 8 << 20
+_STREAM_BYTES = 32 << 20
+"""The writer hands the file to the disk in ranges of this many bytes (:class:`Streamer`)."""
 _MODEL_GRAPH = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
 _GRAPH_INITIALIZER = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
 _TENSOR_RAW_DATA = onnx.TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
@@ -377,9 +388,12 @@ class _FileWriter:
     def __init__(self, f, sources: _Sources | None):
         self.f = f
         copies = hasattr(os, "copy_file_range")  # Linux; elsewhere every tensor is written
-        self.sources = sources if copies and sources is not None and sources.ranges else None
+        if sources is None or not sources.ranges or not copies or not shares_blocks(f.fileno()):
+            sources = None  # copies would cost more than the writes they replace
+        self.sources = sources
         self.hasher = Hasher()
         self.pos = 0
+        self._stream = Streamer(f.fileno(), _STREAM_BYTES)
         self.ranges: list[TensorRange] = []
         self.copied = 0
         self._buffer: bytearray | None = None
@@ -396,6 +410,7 @@ class _FileWriter:
             self._write(data)
         else:
             self.copied += length
+            self._write_back()
         self.ranges.append(TensorRange(self.pos - length, length, digest))
 
     def result(self, path: Path) -> SavedFile:
@@ -405,6 +420,12 @@ class _FileWriter:
         self.f.write(data)
         self.hasher.update(data)
         self.pos += len(data)
+        self._write_back()
+
+    def _write_back(self) -> None:
+        if self._stream.due(self.pos):
+            self.f.flush()
+            self._stream.written(self.pos)
 
     def _copy(self, source: tuple[int, int], length: int, digest: str) -> bool:
         """Copy ``length`` bytes from the source range to the current position, then read them

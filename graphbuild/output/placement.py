@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +179,7 @@ def _place(
             prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".tmp", dir=out_dir.parent
         )
     )
+    committed = False
     try:
         written: dict[str, Path] = {}
         digests: dict[str, dict[str, Any]] = {}
@@ -212,9 +214,13 @@ def _place(
         (tmp / LOCK_FILE).write_text(_lock_text(lock))
         stale = {f"{placement.model_name}.onnx.data"} - {p.name for p in written.values()}
         _commit(tmp, out_dir, {p.name for p in written.values()} | {LOCK_FILE}, stale)
+        committed = True
         return {kind: out_dir / p.name for kind, p in written.items()}, digests, lock
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if committed:  # tmp holds the replaced files now: nobody waits for their removal
+            _remove_in_background(tmp)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- commit
@@ -319,6 +325,20 @@ def _fsync_dir(path: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def _remove_in_background(path: Path) -> None:
+    """Remove the directory of the files an export replaced on a thread of its own: freeing
+    a large file's blocks takes the file system a while (with online discard, most of a
+    weights-only export's placing), and the new files are in place already. Not a daemon,
+    so the interpreter finishes it before exiting; a process killed first leaves the
+    directory to the next export's :func:`_remove_abandoned_temps`."""
+    threading.Thread(
+        target=shutil.rmtree,
+        args=(path,),
+        kwargs={"ignore_errors": True},
+        name="graphbuild-remove-replaced",
+    ).start()
 
 
 def _remove_abandoned_temps(out_dir: Path) -> None:

@@ -418,7 +418,8 @@ def build_qnn_pipeline(
                 lower, qmap, bind_values, weights, parts["placement"], parts["fold_weights"]
             )
         else:
-            bound = p.register_stage(bind_model_weights, "bind", reads=reads)
+            # the model holds the weights: the cache keeps the output's digest, not its bytes
+            bound = p.register_stage(bind_model_weights, "bind", reads=reads, rematerialize=True)
             bound.depends_on(lower, qmap, bind_values, weights)
     enc_reads = ("ctx.encodings_version", "ctx.model_name", "ctx.int32_bias", "ctx.quantizer")
     if split:
