@@ -292,6 +292,8 @@ elif mode == "sync":  # start together with the others
 
 model = big_model() if mode != "sync" else small_model()
 cache = Cache(local, url=url)
+if mode != "sync":  # a killed writer's leases lapse soon: the reader waits that long first
+    cache.lease_seconds = 2.0
 result = shared_pipeline().run(model, cache=cache)
 print(json.dumps({"total": result.outputs["total"],
                   "digests": {s.name: s.digest for s in result.report.stages}}))
