@@ -29,10 +29,11 @@ from graphbuild.cli.options import (
     TargetOpt,
     cli_overrides,
     load_cli_config,
+    quiet_torch,
     resolve_cache_path,
     resolve_cache_url,
 )
-from graphbuild.cli.output import emit_json, make_console
+from graphbuild.cli.output import display_path, emit_json, make_console
 from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -177,6 +178,7 @@ def sweep(
 
     console = make_console()
     progress = SweepProgress(console, quiet=quiet or as_json)
+    quiet_torch()  # here and, at its level, in the pool's workers
     quiet_stdout = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     with quiet_stdout, progress:
         result = run(
@@ -214,6 +216,7 @@ def _show(result: SweepResult, console: Console, as_json: bool, quiet: bool) -> 
     if as_json:
         emit_json({"sweep": result.summary, "variants": result.rows, "files": files})
         return
+    files = {kind: display_path(path) for kind, path in files.items()}
     if quiet:
         for path in files.values():
             console.print(path, markup=False)

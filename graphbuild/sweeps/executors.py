@@ -20,6 +20,7 @@ is the only transport. Jobs carry keys and names, results are small; nothing els
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import warnings
@@ -84,8 +85,14 @@ class InlineJobs:
         pass
 
 
-def _init_pool_worker(specs: tuple[VariantSpec, ...], cache_spec: CacheSpec) -> None:
+def _init_pool_worker(
+    specs: tuple[VariantSpec, ...], cache_spec: CacheSpec, torch_log_level: int
+) -> None:
     _WORKER.update(specs=specs, cache_spec=cache_spec)
+    if torch_log_level:  # the parent's (the CLI lowers torch's): torch sets its own on import
+        import torch  # noqa: F401
+
+        logging.getLogger("torch").setLevel(torch_log_level)
 
 
 def _pool_job(job: StageJob) -> JobResult:
@@ -100,7 +107,7 @@ class PoolJobs:
             max_workers=jobs,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_pool_worker,
-            initargs=(specs, cache_spec),
+            initargs=(specs, cache_spec, logging.getLogger("torch").level),
         )
 
     def submit(self, job: StageJob) -> Future[JobResult]:
