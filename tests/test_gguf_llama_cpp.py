@@ -15,7 +15,7 @@ from tests import gguf_models as gm
 
 pytest.importorskip(
     "llama_cpp",
-    reason="llama.cpp's Python binding is an optional extra: pip install 'graphbuild[llama_cpp]'",
+    reason="llama.cpp's Python binding is an optional extra: pip install 'graphbuild[llama-cpp]'",
 )
 
 #: llama.cpp's matrix products quantize activations to Q8_0 blocks and sum in another order;

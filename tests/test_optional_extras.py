@@ -24,7 +24,7 @@ OPTIONAL = {
     "aimet_common",
     "aimet_torch",
     "onnxruntime_qnn",  # htp
-    "llama_cpp",  # llama_cpp
+    "llama_cpp",  # llama-cpp
     "fastforward",
 }
 

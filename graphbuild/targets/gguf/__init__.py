@@ -3,7 +3,7 @@ Llama, Qwen2 or Qwen3 model (or any architecture a registered adapter describes)
 
 Importing this package declares the target and nothing more: the pipeline (torch, the front
 end) is imported when a pipeline is built. Checking a file in llama.cpp needs the optional
-``llama_cpp`` extra (``llama-cpp-python``); reading one back, the ``gguf`` extra.
+``llama-cpp`` extra (``llama-cpp-python``); reading one back, the ``gguf`` extra.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ float32 here), not what quantizing the weights costs. Activation quantizers of t
 (which a GGUF file does not hold: llama.cpp runs activations in float) count as a
 difference.
 
-llama.cpp is ``llama-cpp-python`` (the optional ``llama_cpp`` extra): it loads the file from
+llama.cpp is ``llama-cpp-python`` (the optional ``llama-cpp`` extra): it loads the file from
 disk and evaluates the sample token ids of each batch row, every position's logits kept.
 """
 
@@ -80,7 +80,7 @@ def llama_cpp_logits(path: Path, tokens: list[int]) -> np.ndarray:
     except ImportError as err:
         raise ExportError(
             f"check_numerics needs llama.cpp's Python binding (llama-cpp-python): {err}; "
-            "install it with pip install 'graphbuild[llama_cpp]'"
+            "install it with pip install 'graphbuild[llama-cpp]'"
         ) from None
     n = len(tokens)
     llm = Llama(
