@@ -189,6 +189,36 @@ def test_editing_a_stage_source_file_reruns_it_because_code_changed(cache, tmp_p
     assert "@" not in result.outputs["lower"]
 
 
+def test_a_stage_name_another_pipeline_shape_reuses_says_the_pipeline_changed(cache):
+    """A setting that changes the pipeline's shape (a QNN preset that quantizes in one stage
+    rather than three) gives a stage name to another function after other stages: the reason
+    names the new inputs, not a code change the user never made, and a read the last run did
+    not have shows as such."""
+
+    def pipeline(split: bool) -> Pipeline:
+        p = Pipeline(name="shape")
+        src = p.register_stage(stage("src", lambda m, s, c: 3), "src", reads=())
+        if split:
+            mid = p.register_stage(stage("mid", lambda i, s, c: i[0] + 1), "mid", reads=())
+            mid.depends_on(src)
+            fn, reads = stage("values_split", lambda i, s, c: i[0] * c["k"]), ("ctx.k",)
+            p.register_stage(fn, "values", reads=reads).depends_on(mid)
+        else:
+            fn = stage("values_one", lambda i, s, c: i[0] * 2)
+            p.register_stage(fn, "values", reads=()).depends_on(src)
+        return p
+
+    pipeline(split=False).run(None, None, context={"k": 5}, cache=cache)
+    result = pipeline(split=True).run(None, None, context={"k": 5}, cache=cache)
+
+    rec = result.report["values"]
+    assert rec.status == "ran"
+    assert rec.reason.startswith("the pipeline changed"), rec.reason
+    assert "'mid'" in rec.reason and "'src'" in rec.reason
+    mid = next(c for c in rec.changes if c.read == "output of 'mid'")
+    assert str(mid).startswith("output of 'mid': (not an input then) -> ")
+
+
 # --------------------------------------------------------------------------- early cutoff
 
 

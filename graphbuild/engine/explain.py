@@ -12,6 +12,10 @@ def stale_reason(stale: list[str]) -> str:
     return f"the cached entry was written by an older codec {shown}; rebuilt"
 
 
+#: the old value shown for an upstream output the stage's last run did not read
+NOT_READ = "(not an input then)"
+
+
 def explain_changes(last: dict[str, Any] | None, now: dict[str, Any]) -> tuple[str, list[Change]]:
     """Why a stage's key differs from its last run, cheapest check first."""
     if not last:
@@ -31,13 +35,18 @@ def explain_changes(last: dict[str, Any] | None, now: dict[str, Any]) -> tuple[s
         elif prev.get("digest") != cur["digest"]:
             changes.append(_read_change(read, prev, cur))
     for dep, digest in now["upstream"].items():
-        prev = last.get("upstream", {}).get(dep)
+        before = last.get("upstream", {})
+        prev = before.get(dep)
         if prev != digest:
-            changes.append(Change(f"output of '{dep}'", (prev or "")[:12], (digest or "")[:12]))
+            old = (prev or "")[:12] if dep in before else NOT_READ
+            changes.append(Change(f"output of '{dep}'", old, (digest or "")[:12]))
     if not changes:
         return "no cache entry for this key (evicted, pruned, corrupt or never stored)", []
     first = changes[0]
-    if first.read == "code":
+    reshaped = _reshaped(last, now)
+    if reshaped:
+        head = reshaped
+    elif first.read == "code":
         head = "code changed"
     elif first.read.startswith("output of"):
         head = f"{first.read} changed"
@@ -45,6 +54,22 @@ def explain_changes(last: dict[str, Any] | None, now: dict[str, Any]) -> tuple[s
         head = str(first)
     more = f" (+{len(changes) - 1} more)" if len(changes) > 1 else ""
     return head + more, changes
+
+
+def _reshaped(last: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """The head of the reason when the stage under this name follows other stages than at
+    its last run (a setting changed the pipeline's shape, as a QNN preset that quantizes in
+    one stage rather than three does): a new function there, whose code naturally differs,
+    which "code changed" would misname. (Its context reads may change with the context
+    alone: a stage that declares none reads every key.)"""
+    old_up, new_up = list(last.get("upstream", {})), list(now["upstream"])
+    if set(old_up) != set(new_up):
+        return f"the pipeline changed: now after {_names(new_up)} (was after {_names(old_up)})"
+    return None
+
+
+def _names(stages: list[str]) -> str:
+    return ", ".join(f"'{s}'" for s in stages) or "nothing"
 
 
 def _read_change(read: str, prev: dict[str, Any], cur: dict[str, Any]) -> Change:
