@@ -152,6 +152,29 @@ def test_a_pre_quantized_model_is_checked_by_name(tmp_path):
         assert entry["reason"] == "the model has no quantizer here"
 
 
+def test_a_weight_clipped_to_a_restricted_range_is_the_weight_in_the_qdq_report(tmp_path):
+    """The QDQ model clips a weight quantized to [-127, 127] with Max/Min on its initializer
+    before QuantizeLinear: onnxruntime folds those before QNN sees the graph, so they are not
+    activations the HTP runs, and both formats report the same coverage."""
+    reports = {}
+    for fmt in ("onnx", "onnx_qdq"):
+        art = gb.export(
+            FakeQuantConvNet().eval(),
+            (torch.randn(1, 3, 16, 16),),
+            tmp_path / fmt,
+            "m",
+            format=fmt,
+            cache=False,
+        )
+        reports[fmt] = art.report.extra["coverage"]
+    qdq = reports["onnx_qdq"]
+    assert qdq["float"] == [] and qdq["extra"] == [], qdq["summary"]
+    assert (qdq["expected"], qdq["quantized"]) == (
+        reports["onnx"]["expected"],
+        reports["onnx"]["quantized"],
+    )
+
+
 def test_the_report_is_in_the_lock_file(tmp_path):
     from examples import convnet
 

@@ -9,6 +9,7 @@ encodings use.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import onnx
 import onnx_ir as ir
@@ -57,7 +58,9 @@ def onnx_view(model: onnx.ModelProto | ir.Model) -> GraphView:
         if v is None:
             return None
         n = v.name or ""
-        return alias.get(n, n)
+        while n in alias:  # a folded weight's Q/DQ -> the folded chain -> the weight
+            n = alias[n]
+        return n
 
     floats: set[str] = set()
     constants: set[str] = set()
@@ -77,6 +80,7 @@ def onnx_view(model: onnx.ModelProto | ir.Model) -> GraphView:
     constants.update(lpbq)  # stored quantized, they stand for the float weight
     floats.update(lpbq)
     ops: list[OpNode] = []
+    folded = _quantizer_inputs_folded(graph)
     for node in graph:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear") and node.domain == "":
             continue
@@ -85,6 +89,13 @@ def onnx_view(model: onnx.ModelProto | ir.Model) -> GraphView:
         for o, value in zip(outputs, node.outputs, strict=True):
             if value.dtype in FLOAT_TYPES:
                 floats.add(o)
+        if node in folded:
+            constants.update(outputs)  # onnxruntime folds it before QNN sees the graph
+            source = _stands_for(node, scalars, name)
+            for out in node.outputs if source is not None else ():
+                if out.name:  # a weight's clip, reshape or split: still that weight
+                    alias[out.name] = source
+            continue
         if node.op_type == "Constant":
             constants.update(outputs)
             attr = node.attributes.get("value")
@@ -111,6 +122,73 @@ def onnx_view(model: onnx.ModelProto | ir.Model) -> GraphView:
     outputs = [name(v) or "" for v in graph.outputs]
     inputs = [v.name or "" for v in graph.inputs]
     return GraphView(ops, inputs, outputs, floats, constants, transposed, scalars)
+
+
+#: ops onnxruntime's constant folding leaves alone (or that are not one value per input):
+#: Q/DQ (QDQ handling keeps them), random ops, control flow; Constant and a constant's
+#: Transpose have their own places in the view
+_NOT_FOLDED = frozenset(
+    {
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "Constant",
+        "Transpose",
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+        "Multinomial",
+        "Bernoulli",
+        "If",
+        "Loop",
+        "Scan",
+    }
+)
+
+
+def _quantizer_inputs_folded(graph: ir.Graph) -> set[ir.Node]:
+    """The ops that compute a QuantizeLinear's input from constants alone, read by nothing
+    else (a weight clipped to a restricted integer range: ``Max``/``Min`` on the initializer
+    before its quantizer). onnxruntime folds them before partitioning: QNN never runs them,
+    and the quantized tensor is the weight. (A DequantizeLinear output is no constant to
+    onnxruntime; constant ops read by compute ops are left to the rules.)"""
+    constant = set(graph.initializers) | {
+        o.name for n in graph if n.op_type == "Constant" for o in n.outputs if o.name
+    }
+    candidates: list[ir.Node] = []
+    for node in graph:
+        if node.domain != "" or node.op_type in _NOT_FOLDED:
+            continue
+        given = [i.name for i in node.inputs if i is not None]
+        if given and all(i in constant for i in given):
+            candidates.append(node)
+            constant.update(o.name for o in node.outputs if o.name)
+    kept: set[ir.Node] = set()
+    for node in reversed(candidates):  # readers before the ops they read
+        readers = [u.node for o in node.outputs for u in o.uses()]
+        if readers and all(r.op_type == "QuantizeLinear" or r in kept for r in readers):
+            kept.add(node)
+    return kept
+
+
+def _stands_for(
+    node: ir.Node, scalars: dict[str, float], name: Callable[[ir.Value | None], str | None]
+) -> str | None:
+    """The one tensor a folded ``node`` computes from, by its view name: of its float inputs
+    that are not scalars, the one with the output's shape (``Max(w, lo)`` with broadcast
+    bounds), else the one they all come from (``Unsqueeze(w, axes)``, a ``Concat`` of slices
+    of ``w``); None when it combines several."""
+    data = [
+        i
+        for i in node.inputs
+        if i is not None and i.dtype in FLOAT_TYPES and (i.name or "") not in scalars
+    ]
+    shape = node.outputs[0].shape if len(node.outputs) == 1 else None
+    same = [i for i in data if shape is not None and i.shape == shape]
+    if len(same) == 1:
+        return name(same[0])
+    sources = {name(i) for i in data}
+    return sources.pop() if len(sources) == 1 else None
 
 
 def _scalar(tensor: ir.TensorProtocol | None) -> float | None:
