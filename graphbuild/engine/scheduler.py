@@ -219,12 +219,18 @@ class _Run(Keys):
         stage = self.pipeline._stage(name)
         inputs = self._inputs(name)
         ctx = self._context(name, stage, self.states[name].reads)
+        value = self._call(name, stage, inputs, ctx)
+        return value, encode(value).digest
+
+    def _call(self, name: str, stage: Any, inputs: Any, ctx: StageContext) -> Any:
+        """``stage``'s function on ``inputs``, guarded: an undeclared read it caught is raised
+        again, and inputs it changed are an :class:`InputMutationError`."""
         before = self._snapshots(name, inputs, ctx)
         value = stage.fn(inputs, self.samples, ctx)
         if ctx.violation is not None:  # read undeclared, then caught the error
             raise ctx.violation
         self._check_inputs(name, before)
-        return value, encode(value).digest
+        return value
 
     def _check_hit(self, name: str) -> None:
         """Check mode: recompute a hit and fail loudly if its output differs from the cached
@@ -373,11 +379,7 @@ class _Run(Keys):
         ctx = self._context(name, stage, st.reads)
         t0 = time.perf_counter()
         try:
-            before = self._snapshots(name, inputs, ctx)
-            value = stage.fn(inputs, self.samples, ctx)
-            if ctx.violation is not None:  # read undeclared, then caught the error
-                raise ctx.violation
-            self._check_inputs(name, before)
+            value = self._call(name, stage, inputs, ctx)
             encoded = encode(value)
         except (KeyboardInterrupt, SystemExit):
             raise

@@ -62,8 +62,9 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     notes: dict[str, Any] = {}
     if is_preset_quantizer(context["quantizer"]):
         notes["symmetric_when_signed"] = True  # AIMET's convention, which q/dq ops do not say
-    if lpbq_block_scale_bits(context["quantizer"]) is not None:  # its blocked weights are LPBQ
-        notes[LPBQ_NOTE] = lpbq_block_scale_bits(context["quantizer"])
+    block_scale_bits = lpbq_block_scale_bits(context["quantizer"])
+    if block_scale_bits is not None:  # its blocked weights are LPBQ
+        notes[LPBQ_NOTE] = block_scale_bits
     if result.left_float:
         notes["left_float"] = dict(sorted(result.left_float.items()))
     if result.degenerate:
@@ -322,25 +323,16 @@ def check_numerics_float(inputs: tuple, samples: Any, context: Any) -> dict:
     """``onnx``: put Q/DQ back from the ``.encodings`` file alone, run it in onnxruntime on
     the sample inputs, and compare with the quantized torch model (and, after a quantize
     stage, with the float model)."""
-    from graphbuild.targets.qnn.numerics import compare_outputs
-
-    bound, enc_file, reference, (_, names), *floats = inputs
-    doc = json.loads(enc_file.data)
-    qids = {int(q): n for q, n in names.items()}
-    return compare_outputs(
-        bound,
-        doc,
-        reference,
-        as_args(samples),
-        reinsert=True,
-        names=qids,
-        float_reference=floats[0] if floats else None,
-    )
+    return _check_numerics(inputs, samples, reinsert=True)
 
 
 def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
     """``onnx_qdq``: run the Q/DQ model as written and compare with the torch model (and,
     after a quantize stage, with the float model)."""
+    return _check_numerics(inputs, samples, reinsert=False)
+
+
+def _check_numerics(inputs: tuple, samples: Any, *, reinsert: bool) -> dict:
     from graphbuild.targets.qnn.numerics import compare_outputs
 
     bound, enc_file, reference, (_, names), *floats = inputs
@@ -351,7 +343,7 @@ def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
         doc,
         reference,
         as_args(samples),
-        reinsert=False,
+        reinsert=reinsert,
         names=qids,
         float_reference=floats[0] if floats else None,
     )

@@ -171,20 +171,8 @@ def _read_lpbq_1_0_0(entry: Mapping[str, Any], is_param: bool) -> TensorEncoding
         )
     ints = flat.reshape(channel.size, -1)
     k, scale = _lpbq_parts(name, bits, int(entry["bw"]), channel.reshape(-1, 1), ints)
-    return TensorEncoding(
-        name,
-        scale,
-        np.zeros(scale.shape, dtype=np.int64),
-        *full_grid(bits, True),
-        bits=bits,
-        signed=True,
-        is_param=is_param,
-        axis=1,
-        block_size=int(entry["block_size"]),
-        axis_implied=True,
-        block_scale_bits=k,
-        channel_scale=channel,
-        block_int_scale=ints,
+    return _lpbq_encoding(
+        entry, scale, bits, True, k, channel, ints, is_param=is_param, axis=1, axis_implied=True
     )
 
 
@@ -204,17 +192,36 @@ def _read_lpbq_2_0_0(entry: Mapping[str, Any]) -> TensorEncoding:
         shape[axis] = 1
         channel = channel.reshape(shape)
     k, scale = _lpbq_parts(name, bits, 2 * bits, channel, ints)
+    return _lpbq_encoding(entry, scale, bits, signed, k, channel, ints, is_param=None, axis=axis)
+
+
+def _lpbq_encoding(
+    entry: Mapping[str, Any],
+    scale: np.ndarray,
+    bits: int,
+    signed: bool,
+    block_scale_bits: int,
+    channel: np.ndarray,
+    ints: np.ndarray,
+    *,
+    is_param: bool | None,
+    axis: int,
+    axis_implied: bool = False,
+) -> TensorEncoding:
+    """An LPBQ weight's encoding, either version's: symmetric on the full grid (zero points
+    0), the decompressed per-block ``scale`` beside the parts it was made of."""
     return TensorEncoding(
-        name,
+        entry["name"],
         scale,
         np.zeros(scale.shape, dtype=np.int64),
         *full_grid(bits, signed),
         bits=bits,
         signed=signed,
-        is_param=None,
+        is_param=is_param,
         axis=axis,
         block_size=int(entry["block_size"]),
-        block_scale_bits=k,
+        axis_implied=axis_implied,
+        block_scale_bits=block_scale_bits,
         channel_scale=channel.reshape(-1),
         block_int_scale=ints,
     )
