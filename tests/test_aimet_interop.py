@@ -91,16 +91,24 @@ def test_aimet_loads_2_0_0_int32_biases_and_differs_on_them_alone(name, preset, 
     assert all(m.enabled_mismatch == (False, True) for m in mismatches if m.has_mismatch())
 
 
-def without_matmul_requantizations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-    """``model`` with each QuantizeLinear -> DequantizeLinear that requantizes a dequantized
-    tensor for the second inputs of MatMuls alone bypassed, after checking it changes no
-    value: the same scale, a signed zero point 2^(b-1) below the unsigned one it follows."""
-    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+def producers_and_readers(
+    model: onnx.ModelProto,
+) -> tuple[dict[str, onnx.NodeProto], dict[str, list[tuple[onnx.NodeProto, int]]]]:
+    """tensor -> the node making it; tensor -> (node, input index) of each node reading it."""
     producer = {o: n for n in model.graph.node for o in n.output}
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in model.graph.node:
         for i, name in enumerate(node.input):
             readers.setdefault(name, []).append((node, i))
+    return producer, readers
+
+
+def without_matmul_requantizations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """``model`` with each QuantizeLinear -> DequantizeLinear that requantizes a dequantized
+    tensor for the second inputs of MatMuls alone bypassed, after checking it changes no
+    value: the same scale, a signed zero point 2^(b-1) below the unsigned one it follows."""
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    producer, readers = producers_and_readers(model)
     bypassed = []
     for q in [n for n in model.graph.node if n.op_type == "QuantizeLinear"]:
         before = producer.get(q.input[0])
@@ -181,11 +189,7 @@ def without_relu_group_quantizers(model: onnx.ModelProto) -> tuple[onnx.ModelPro
     """``model`` with each QuantizeLinear -> DequantizeLinear between an Add and its Relu
     (the HTP form of the ``Add -> Relu`` supergroup) bypassed, after checking it is the
     Relu output's own encoding: the same scale and zero point initializers."""
-    producer = {o: n for n in model.graph.node for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    producer, readers = producers_and_readers(model)
     bypassed = []
     for relu in [n for n in model.graph.node if n.op_type == "Relu"]:
         dq = producer.get(relu.input[0])
@@ -196,7 +200,7 @@ def without_relu_group_quantizers(model: onnx.ModelProto) -> tuple[onnx.ModelPro
         )
         if q is None or q.op_type != "QuantizeLinear" or producer[q.input[0]].op_type != "Add":
             continue
-        (after,) = [r for r in readers[relu.output[0]] if r.op_type == "QuantizeLinear"]
+        (after,) = [r for r, _ in readers[relu.output[0]] if r.op_type == "QuantizeLinear"]
         assert list(q.input[1:]) == list(after.input[1:]), q.name
         relu.input[0] = q.input[0]
         bypassed += [q, dq]
