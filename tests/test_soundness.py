@@ -153,6 +153,51 @@ def test_a_stage_that_writes_into_an_upstream_tensor_fails_and_its_sibling_never
     assert seen == []  # the failure stops the run before a sibling reads the edited tensor
 
 
+def _nested_append(doc):
+    doc["sites"][1]["qids"].append(3)
+
+
+def _value_change(doc):
+    doc["sites"][0]["bits"] = 4
+
+
+def _new_key(doc):
+    doc["extra"] = None
+
+
+def _list_to_tuple(doc):
+    doc["sites"][1]["qids"] = (1, 2)
+
+
+@pytest.mark.parametrize("edit", [_nested_append, _value_change, _new_key, _list_to_tuple])
+def test_a_stage_that_edits_a_json_document_its_upstream_returned_fails(tmp_path, edit):
+    """After an earlier reader checked the document unchanged, a later one edits it: the
+    token the first check left is the one the edit is measured against."""
+    read = []
+
+    def layout(inputs, samples, ctx):
+        return ({"sites": [{"bits": 8}, {"qids": [1, 2]}]}, torch.ones(2))
+
+    def reader(inputs, samples, ctx):
+        read.append(len(inputs[0][0]["sites"]))
+        return 0
+
+    def editor(inputs, samples, ctx):
+        edit(inputs[0][0])
+        return 1
+
+    p = Pipeline(name="json-edit")
+    p.register_stage(layout, "layout", reads=())
+    p.register_stage(reader, "reader", reads=()).depends_on("layout")
+    p.register_stage(editor, "edit", reads=()).depends_on("layout", "reader")
+
+    with pytest.raises(StageError) as info:
+        p.run(None, cache=gb.Cache(tmp_path / "cache"))
+
+    assert read == [2]
+    assert info.value.stage == "edit" and isinstance(info.value.cause, InputMutationError)
+
+
 def test_encoding_a_program_leaves_its_metadata_as_it_was():
     program = torch.export.export(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), (torch.ones(1, 2),))
     before = {n.name: n.meta.get("stack_trace") for n in program.graph.nodes}

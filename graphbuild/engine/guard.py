@@ -8,6 +8,7 @@ compare them after (DESIGN.md, invariant 9).
 
 from __future__ import annotations
 
+import marshal
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from graphbuild.errors import (
     InputMutationError,
     UndeclaredReadError,
 )
+from graphbuild.hashing import digest_bytes
 
 
 class StageContext(Mapping[str, Any]):
@@ -96,21 +98,74 @@ class InputToken:
     token: Any
 
 
+class Tokens:
+    """Tokens of the values stages were handed in one run, as the last check left them.
+
+    Stages run one at a time, so a value the previous stage handed back unchanged (its
+    token taken after that stage, and equal to the one before) still has that token when the
+    next stage is handed it: its "before" token is reused, and each stage pays one snapshot
+    per input (the check after it) instead of two. The values are held, so an id is not
+    reused while its token is kept."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[Any, Any]] = {}
+
+    def before(self, value: Any) -> Any:
+        known = self._known.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+        token = contents_token(value)
+        self._known[id(value)] = (value, token)
+        return token
+
+    def after(self, value: Any) -> Any:
+        token = contents_token(value)
+        self._known[id(value)] = (value, token)
+        return token
+
+
+def contents_token(value: Any) -> Any:
+    """A token of ``value``'s contents that changes when they change: the codec's snapshot,
+    but a dict or list of plain data is read in one pass of ``marshal`` (C; it keeps tuples,
+    key types and float bits apart; version 2 writes no back-references, so the bytes do not
+    depend on reference counts) rather than walked in Python to pick its codec first: the
+    large documents stages pass (placements, quant maps) cost a tenth."""
+    kind = type(value)
+    if kind is dict or kind is list:
+        try:
+            data = marshal.dumps(value, 2)
+        except ValueError:
+            pass  # holds tensors, programs...: per item below, or the codec's snapshot
+        else:
+            return ("plain", digest_bytes(data))
+    if kind is tuple or kind is list:
+        return (kind.__name__, [contents_token(v) for v in value])
+    return snapshot(value)
+
+
 def input_tokens(
-    deps: list[str], inputs: Any, samples: Any, model: Any, model_allowed: bool, full: bool
+    deps: list[str],
+    inputs: Any,
+    samples: Any,
+    model: Any,
+    model_allowed: bool,
+    full: bool,
+    tokens: Tokens | None = None,
 ) -> list[InputToken]:
     """Tokens of what a stage is handed and must not change, taken before it runs: its
     upstream outputs (their contents, bytes included), the sample inputs, and the model
     when the stage can reach it (cheaply: tensor identities and version counters; with
-    ``full``, check mode, also a digest of every tensor)."""
-    tokens = [  # a root stage's inputs are the model itself
-        InputToken(dep, f"the output of '{dep}'", value, snapshot(value))
+    ``full``, check mode, also a digest of every tensor). ``tokens`` reuses what the last
+    check found of a value (:class:`Tokens`)."""
+    take = (tokens or Tokens()).before
+    out = [  # a root stage's inputs are the model itself
+        InputToken(dep, f"the output of '{dep}'", value, take(value))
         for dep, value in zip(deps, inputs if deps else (), strict=True)
     ]
-    tokens.append(InputToken("samples", "the sample inputs", samples, snapshot(samples)))
+    out.append(InputToken("samples", "the sample inputs", samples, take(samples)))
     if not deps or model_allowed:
-        tokens.append(InputToken("input", "the model", model, input_token(model, full=full)))
-    return tokens
+        out.append(InputToken("input", "the model", model, input_token(model, full=full)))
+    return out
 
 
 def check_inputs(
@@ -118,18 +173,20 @@ def check_inputs(
     before: list[InputToken],
     full: bool,
     recorded: Callable[[str], str | None],
+    tokens: Tokens | None = None,
 ) -> None:
     """Inputs are read-only (DESIGN.md, invariant 9): a stage that changed what it was
     handed in place fails, naming itself and what it changed. With ``full`` (check mode)
     every upstream output is also re-encoded and must still have the digest its upstream
-    recorded (``recorded(stage)``)."""
+    recorded (``recorded(stage)``). ``tokens`` keeps what each check found for the next
+    stage (:class:`Tokens`)."""
     for token in before:
         if token.token is None:
             continue
         if token.source == "input":
             now = input_token(token.value, full=full)
         else:
-            now = snapshot(token.value)
+            now = (tokens or Tokens()).after(token.value)
         if now != token.token:
             raise InputMutationError(name, token.source, what=token.what)
     if not full:

@@ -28,7 +28,7 @@ from graphbuild.engine.codecs import encode
 from graphbuild.engine.events import Change, EventKind, RunReport, StageEvent, StageRecord
 from graphbuild.engine.explain import explain_changes, stale_reason
 from graphbuild.engine.fingerprint import InputFacets, verify_reused_digests
-from graphbuild.engine.guard import InputToken, StageContext, check_inputs, input_tokens
+from graphbuild.engine.guard import InputToken, StageContext, Tokens, check_inputs, input_tokens
 from graphbuild.engine.keying import Keys, plan_reads
 from graphbuild.engine.status import StageStatus
 from graphbuild.engine.store import Cache, CorruptEntry
@@ -105,6 +105,7 @@ class _Run(Keys):
         # set when a stage edited an upstream output in place: that value is no longer what
         # its digest says, so no other stage may read it; the run stops
         self.stopped: str | None = None
+        self.tokens = Tokens()  # the input guard's tokens, reused from stage to stage
 
     def emit(self, event: StageEvent) -> None:
         for listener in self.listeners:
@@ -412,11 +413,13 @@ class _Run(Keys):
     def _snapshots(self, name: str, inputs: Any, ctx: StageContext) -> list[InputToken]:
         deps = self.pipeline.dependencies(name)
         return input_tokens(
-            deps, inputs, self.samples, self.input, ctx.input_allowed, bool(self.check)
+            deps, inputs, self.samples, self.input, ctx.input_allowed, bool(self.check), self.tokens
         )
 
     def _check_inputs(self, name: str, before: list[InputToken]) -> None:
-        check_inputs(name, before, bool(self.check), lambda dep: self.states[dep].record.digest)
+        check_inputs(
+            name, before, bool(self.check), lambda dep: self.states[dep].record.digest, self.tokens
+        )
 
     def _context(self, name: str, stage: Stage, reads: tuple[str, ...]) -> StageContext:
         allowed = None if stage.reads is None else {r[4:] for r in reads if r.startswith("ctx.")}

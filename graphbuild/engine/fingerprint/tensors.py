@@ -69,6 +69,10 @@ def content_tokens(tensors: Sequence[torch.Tensor]) -> list[tuple]:
     tokens: list[tuple | None] = [None] * len(tensors)
     direct: list[int] = []
     for i, t in enumerate(tensors):
+        small = _small_cpu_digest(t)
+        if small is not None:  # most of a quant map's: read in place, one call each
+            tokens[i] = ("values", small, str(t.dtype), tuple(t.shape))
+            continue
         layout = (str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset())
         if t.layout != torch.strided or t.device.type == "meta" or t.is_quantized:
             tokens[i] = ("opaque", id(t), t._version, t.data_ptr(), *layout)
@@ -87,6 +91,40 @@ def content_tokens(tensors: Sequence[torch.Tensor]) -> list[tuple]:
         t = tensors[i]
         tokens[i] = ("values", d, str(t.dtype), tuple(t.shape))
     return tokens  # type: ignore[return-value]
+
+
+#: Below this many bytes a contiguous CPU tensor's token is its digest taken in place.
+SMALL_BYTES = 1 << 20
+
+
+def _small_cpu_digest(t: torch.Tensor) -> str | None:
+    """``tensor_digest`` of a small contiguous CPU tensor numpy can view, without the general
+    path's per-tensor steps (a flat byte view, the digest memo); None for any other."""
+    if (
+        t.device.type != "cpu"
+        or t.layout != torch.strided
+        or t.is_quantized
+        or not t.is_contiguous()
+        or t.numel() * t.element_size() > SMALL_BYTES
+        or t.dtype not in _NUMPY_VIEWABLE
+    ):
+        return None
+    return digest_bytes(t.detach().numpy())
+
+
+_NUMPY_VIEWABLE = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
 
 
 def input_token(value: Any, *, full: bool = False) -> Any:
