@@ -22,9 +22,11 @@ no pickle, a handful of blobs however many quantizers; :class:`Statistics` reads
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,7 @@ from torch.export import ExportedProgram
 
 from graphbuild.errors import ExportError
 from graphbuild.frontend.devices import to_device
+from graphbuild.frontend.programs import lifted_runner
 from graphbuild.quant.markers import MARKER_TARGET
 
 __all__ = [
@@ -281,23 +284,39 @@ def calibrate(
     }
     group_of = {s["index"]: s["group"] for s in sites}
 
-    def record(x: torch.Tensor, site: int) -> torch.Tensor:
+    def record(x: torch.Tensor, site: int) -> None:
         if site in watched:
             observed[group_of[site]](x)
-        return x
 
-    module = program.module()
-    for node in module.graph.nodes:
-        if node.op == "call_function" and node.target is MARKER_TARGET:
-            node.target = record
-    module.recompile()
-    with torch.no_grad():
+    run = lifted_runner(program, {MARKER_TARGET: _observed})
+    with torch.no_grad(), _recording(record):
         for index, batch in enumerate(batches):
             _check_batch(index, batch)
-            module(*batch)
+            run(*batch)
     out = pack(observed)
     _check_no_nan(sites, Statistics(out))
     return out
+
+
+_RECORDER = threading.local()
+
+
+@contextlib.contextmanager
+def _recording(record: Callable[[torch.Tensor, int], None]) -> Iterator[None]:
+    previous = getattr(_RECORDER, "record", None)
+    _RECORDER.record = record
+    try:
+        yield
+    finally:
+        _RECORDER.record = previous
+
+
+def _observed(x: torch.Tensor, site: int) -> torch.Tensor:
+    """A marker in calibration's copy of the site program: the value, shown to the
+    thread's recorder. One function for every calibration, so the copy is made once per
+    program (``lifted_runner`` keeps it)."""
+    _RECORDER.record(x, site)
+    return x
 
 
 def calibration_batches(calibration: Iterable | None, sample_args: tuple) -> Iterator[tuple]:
