@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import onnx
 import pytest
 import torch
 from torch import nn
@@ -268,3 +269,55 @@ def test_the_report_gives_the_weights_size_as_the_device_stores_them(tmp_path):
 
     assert sizes["w8a16"] == weights + 4 * biases
     assert sizes["w4a16"] == weights // 2 + 4 * biases
+
+
+def test_the_graph_view_reads_back_from_its_json_as_it_was_built(tmp_path):
+    """What the ``htp_view`` stage keeps: the view the HTP rules read, whole."""
+    from examples import tiny_decoder
+    from graphbuild.targets.qnn.htp_view import view_from_json, view_to_json
+    from graphbuild.targets.qnn.onnx_view import onnx_view
+
+    model, sample = tiny_decoder.build(0)
+    gb.export(
+        model.eval(),
+        sample,
+        tmp_path,
+        "model",
+        target="qnn",
+        format="onnx_qdq",
+        options=gb.QnnOnnxOptions(quantizer="w8a16", calibration=[sample]),
+        cache=False,
+    )
+    lowered = onnx.load(str(tmp_path / "model.onnx"))
+    view = onnx_view(lowered)
+    doc = json.loads(json.dumps(view_to_json(view)))
+    assert view_from_json(doc) == view
+    assert view.ops and view.floats and view.constants
+
+
+def test_a_preset_change_reapplies_the_rules_to_the_kept_view(tmp_path):
+    """w8a8 -> w8a16 on a Tanh over 16 rows: the view is a hit, the report (and its defect,
+    which needs 16-bit activations) is recomputed."""
+    sample = (torch.randn(1, 16, 32),)
+    cache = tmp_path / "cache"
+
+    def run(preset):
+        torch.manual_seed(0)
+        return gb.export(
+            NormTanh().eval(),
+            sample,
+            tmp_path / "out",
+            "model",
+            options=gb.QnnOnnxOptions(quantizer=preset, calibration=[sample]),
+            cache=cache,
+        )
+
+    first = run("w8a8")
+    assert first.report.extra["coverage"]["htp_defects"] == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        second = run("w8a16")
+    assert second.report.statuses["htp_view"] == "hit"
+    assert second.report.statuses["coverage"] == "ran"
+    (entry,) = second.report.extra["coverage"]["htp_defects"]
+    assert entry["tensor"] == "output"

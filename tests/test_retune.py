@@ -25,7 +25,7 @@ from graphbuild.errors import ConfigError, ExportError, StageError
 from graphbuild.frontend import statistics
 from graphbuild.targets.qnn import build_qnn_pipeline
 
-STRUCTURE = ("capture", "place_quantizers", "placement", "marker_graph", "to_onnx")
+STRUCTURE = ("capture", "place_quantizers", "placement", "marker_graph", "to_onnx", "htp_view")
 
 
 def one_stage(request):

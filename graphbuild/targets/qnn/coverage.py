@@ -32,7 +32,8 @@ from graphbuild.errors import CoverageError
 from graphbuild.quant.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.aten_view import UNSUPPORTED
 from graphbuild.targets.qnn.htp import CONFIG_NAME, GraphView, OpNode, Plan, TensorRule, plan
-from graphbuild.targets.qnn.htp_defects import find_htp_defects
+from graphbuild.targets.qnn.htp_defects import defect_candidates, defects_at
+from graphbuild.targets.qnn.htp_view import view_from_json, view_to_json
 from graphbuild.targets.qnn.onnx_view import onnx_view
 from graphbuild.targets.qnn.overrides import (
     apply_layer_overrides,
@@ -40,11 +41,18 @@ from graphbuild.targets.qnn.overrides import (
     parse_layer_overrides,
 )
 
-__all__ = ["check_coverage", "coverage_report", "summary_line"]
+__all__ = ["check_coverage", "coverage_report", "coverage_structure", "summary_line"]
 
 #: a range beyond this holds a masking constant, not data
 HUGE_RANGE = 1e30
 _INTERNAL = re.compile(r"^val_\d+$")
+
+
+def coverage_structure(model: onnx.ModelProto) -> dict[str, Any]:
+    """What the report reads of the lowered model alone, as JSON: the graph as the HTP rules
+    see it and the tensors in a known defect's pattern. It depends on the graph, not on the
+    bit-widths or values, so a retune reuses it (the ``htp_view`` stage)."""
+    return {"view": view_to_json(onnx_view(model)), "defects": defect_candidates(model)}
 
 
 def coverage_report(
@@ -57,6 +65,7 @@ def coverage_report(
     preset: str | None = None,
     collapsed: Mapping[str, Any] | None = None,
     overrides: Mapping[str, str] | None = None,
+    structure: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report for one export. ``model`` is the lowered model (either format), ``names``
     qid -> the tensor each quantizer annotates, ``bits`` the preset's (weight, activation)
@@ -64,8 +73,10 @@ def coverage_report(
     ``left_float`` the tensors calibration left float (name -> why), ``collapsed`` the
     activations whose calibrated range collapsed (name -> [min, max]), ``overrides`` the
     preset's ``layer_overrides``: what it was asked to do instead of the HTP rules is what
-    the report expects, and lists as overridden."""
-    view = onnx_view(model)
+    the report expects, and lists as overridden. ``structure``: the model's
+    :func:`coverage_structure`, where a stage keeps it."""
+    structure = structure if structure is not None else coverage_structure(model)
+    view = view_from_json(structure["view"])
     rules = plan(view, *(bits or (8, 16)))
     overridden: dict[str, str] = {}
     if overrides and bits is not None:  # what the preset was asked to do instead
@@ -109,8 +120,8 @@ def coverage_report(
         "overridden": [{"tensor": t, "override": overridden[t]} for t in sorted(overridden)],
         "extra": sorted(extra, key=lambda e: e["tensor"]),
         "degenerate": _degenerate(qmap, names, values, collapsed or {}),
-        "htp_defects": find_htp_defects(
-            model, {t: s.bits for t, s in encoded.items() if s.param is None}
+        "htp_defects": defects_at(
+            structure["defects"], {t: s.bits for t, s in encoded.items() if s.param is None}
         ),
         "weight_bytes": _weight_bytes(model, encoded),
     }

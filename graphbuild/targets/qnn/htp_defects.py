@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from graphbuild.targets.qnn.onnx_view import source_of
 
-__all__ = ["TANH_16_ROWS", "HtpDefect", "find_htp_defects"]
+__all__ = ["TANH_16_ROWS", "HtpDefect", "defect_candidates", "defects_at", "find_htp_defects"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,14 @@ _QDQ = ("QuantizeLinear", "DequantizeLinear")
 def find_htp_defects(model: onnx.ModelProto, bits: Mapping[str, int]) -> list[dict[str, Any]]:
     """The tensors of ``model`` (a lowered export, either format) in a known defect's
     pattern. ``bits``: the bit-width of each tensor the export quantizes, by name."""
+    return defects_at(defect_candidates(model), bits)
+
+
+def defect_candidates(model: onnx.ModelProto) -> list[dict[str, Any]]:
+    """The tensors of ``model`` in a known defect's pattern whatever their bit-widths: the
+    graph's part of :func:`find_htp_defects`, which :func:`defects_at` completes."""
+    if not any(n.op_type == "Tanh" and n.domain == "" for n in model.graph.node):
+        return []  # the one pattern needs a Tanh: no shapes to infer, no graph to build
     typed = _with_shapes(model)
     graph = ir.serde.deserialize_model(typed).graph
     inputs = {v.name for v in graph.inputs}
@@ -67,12 +75,17 @@ def find_htp_defects(model: onnx.ModelProto, bits: Mapping[str, int]) -> list[di
         if node.op_type != "Tanh" or node.domain != "" or not node.inputs:
             continue
         out = node.outputs[0]
-        if bits.get(out.name or "") != 16 or not _sixteen_rows(out.shape):
+        if not _sixteen_rows(out.shape):
             continue
         if _behind_qdq(node.inputs[0]) in inputs:
             continue  # a Tanh of a graph input computes right
         found.append(_entry(out, node, TANH_16_ROWS))
     return sorted(found, key=lambda e: e["tensor"])
+
+
+def defects_at(candidates: list[dict[str, Any]], bits: Mapping[str, int]) -> list[dict[str, Any]]:
+    """The candidates whose tensor the export quantizes as the defect needs (16 bits)."""
+    return [c for c in candidates if bits.get(c["tensor"]) == 16]
 
 
 def _entry(value: ir.Value, node: ir.Node, defect: HtpDefect) -> dict[str, Any]:

@@ -10,9 +10,11 @@ constant stands behind it, what a scalar holds).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["GraphView", "OpNode", "ViewWalk"]
+__all__ = ["GraphView", "OpNode", "ViewWalk", "view_from_json", "view_to_json"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,50 @@ class GraphView:
                 if t is not None:
                     users[t].append(op)
         return users
+
+
+def view_to_json(view: GraphView) -> dict[str, Any]:
+    """``view`` as a JSON document (:func:`view_from_json` reads it back): what a stage
+    stores of a view, so the rules run again on new bit-widths without rebuilding it."""
+    return {
+        "ops": [
+            [
+                op.name,
+                op.op_type,
+                list(op.inputs),
+                list(op.outputs),
+                op.depthwise,
+                op.groups,
+                op.cast_from_float,
+                op.source,
+                op.origin,
+            ]
+            for op in view.ops
+        ],
+        "inputs": list(view.inputs),
+        "outputs": list(view.outputs),
+        "floats": sorted(view.floats),
+        "constants": sorted(view.constants),
+        "transposed": dict(view.transposed),
+        "scalars": {k: float(v) for k, v in view.scalars.items()},
+    }
+
+
+def view_from_json(doc: Mapping[str, Any]) -> GraphView:
+    """The view :func:`view_to_json` wrote."""
+    ops = [
+        OpNode(name, op_type, tuple(inputs), tuple(outputs), *rest)
+        for name, op_type, inputs, outputs, *rest in doc["ops"]
+    ]
+    return GraphView(
+        ops,
+        list(doc["inputs"]),
+        list(doc["outputs"]),
+        set(doc["floats"]),
+        set(doc["constants"]),
+        dict(doc["transposed"]),
+        dict(doc["scalars"]),
+    )
 
 
 class ViewWalk:

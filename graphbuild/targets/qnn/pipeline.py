@@ -10,8 +10,9 @@ adds the HTP check to the others with ``check_htp``).
                                                     +---------------------> encodings
                                                     +-> coverage (HTP rules on the lowered
                                                         model against the quant map)
+    lower_markers -> htp_view (the lowered graph as the rules see it) -> coverage
 
-Structure (capture, normalize, to_onnx, lower_markers) never reads weight or quantizer
+Structure (capture, normalize, to_onnx, lower_markers, htp_view) never reads weight or quantizer
 values; values enter at qparams, bind and encodings (DESIGN.md, invariant 5).
 """
 
@@ -274,7 +275,7 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
     from graphbuild.targets.qnn.coverage import check_coverage, coverage_report
     from graphbuild.targets.qnn.preset import is_preset_quantizer, preset_bits
 
-    (lowered, names), (qmap, _), qvalues = inputs
+    (lowered, names), structure, (qmap, _), qvalues = inputs
     quantizer = context["quantizer"]
     preset = None
     if is_preset_quantizer(quantizer):
@@ -289,6 +290,7 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
         preset,
         qmap.get("degenerate"),
         context["layer_overrides"],
+        structure,
     )
     for entry in report["degenerate"]:
         warnings.warn(
@@ -304,6 +306,15 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
     if context["strict_coverage"]:
         check_coverage(report)
     return report
+
+
+def htp_view(inputs: tuple, samples: Any, context: Any) -> dict:
+    """Structure: the lowered graph as the HTP rules see it, which the coverage report
+    applies the rules of the export's bit-widths to (a retune reuses it)."""
+    from graphbuild.targets.qnn.coverage import coverage_structure
+
+    ((lowered, _),) = inputs
+    return coverage_structure(lowered)
 
 
 def reference_with_tensors(inputs: tuple, samples: Any, context: Any) -> dict:
@@ -404,25 +415,28 @@ def build_qnn_pipeline(
         weights = p.register_stage(weight_digests, "weight_digests", reads=("input.state",))
         weights.depends_on(lower)
         reads = (UNKEYED_INPUT, "ctx.fake_quantize_weights")
+        # the model holds the weights: the cache keeps the output's digest, not its bytes
         if split:
-            bound = p.register_stage(quantization.bind_weights, "bind", reads=reads)
+            bound = p.register_stage(
+                quantization.bind_weights, "bind", reads=reads, rematerialize=True
+            )
             bound.depends_on(
                 lower, qmap, bind_values, weights, parts["placement"], parts["fold_weights"]
             )
         else:
-            # the model holds the weights: the cache keeps the output's digest, not its bytes
             bound = p.register_stage(bind_model_weights, "bind", reads=reads, rematerialize=True)
             bound.depends_on(lower, qmap, bind_values, weights)
     enc_reads = ("ctx.encodings_version", "ctx.model_name", "ctx.int32_bias", "ctx.quantizer")
+    view = p.register_stage(htp_view, "htp_view", reads=()).depends_on(lower)
     if split:
         enc = p.register_stage(quantization.encodings, "encodings", reads=(*enc_reads, "ctx.range"))
         cov = p.register_stage(quantization.coverage, "coverage", reads=COVERAGE_READS).depends_on(
-            lower, qmap, qp, parts["placement"], parts["weight_stats"], parts["calibrate"]
+            lower, view, qmap, qp, parts["placement"], parts["weight_stats"], parts["calibrate"]
         )
     else:
         enc = p.register_stage(encodings, "encodings", reads=enc_reads)
         cov = p.register_stage(coverage, "coverage", reads=COVERAGE_READS).depends_on(
-            lower, qmap, qp
+            lower, view, qmap, qp
         )
     enc.depends_on(qmap, qp, lower)
     p.reports["coverage"] = cov.name

@@ -404,13 +404,13 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
     from graphbuild.frontend.statistics import Statistics, observed_ranges
     from graphbuild.targets.qnn.pipeline import coverage as report
 
-    lowered, (qmap, fixed), qvalues, (layout, _), weights, activations = inputs
+    lowered, structure, (qmap, fixed), qvalues, (layout, _), weights, activations = inputs
     stats = Statistics(weights, activations)
     _, degenerate = observed_ranges(layout["sites"], layout["groups"], stats)
     doc = dict(qmap)
     if degenerate:
         doc["degenerate"] = dict(sorted(degenerate.items()))
-    return report((lowered, (doc, fixed), qvalues), samples, context)
+    return report((lowered, structure, (doc, fixed), qvalues), samples, context)
 
 
 def reference(inputs: tuple, samples: Any, context: Any) -> dict:
