@@ -140,8 +140,8 @@ def check_placement_stamp(stamp: Any) -> dict[str, Any]:
     products = stamp.get("products")
     if not _table_of(products, str) or not all(map(is_digest, products.values())):
         raise InvalidManifest("'products' is not a table of digests")
-    if stamp.get("external_data") not in (None, True, False):
-        raise InvalidManifest("'external_data' is not true, false or null")
+    if stamp.get("external_data") not in (None, True, False, "per_tensor"):
+        raise InvalidManifest("'external_data' is not true, false, 'per_tensor' or null")
     if type(stamp.get("files")) is not list:
         raise InvalidManifest("'files' is not a list")
     for item in stamp["files"]:

@@ -43,10 +43,17 @@ from graphbuild.onnx.bind import (
     is_reference,
     iter_references,
 )
-from graphbuild.onnx.filesystem import Streamer, shares_blocks
+from graphbuild.onnx.filesystem import Streamer, release, shares_blocks
 
 EXTERNAL_DATA_THRESHOLD = 2**31
-"""Above this many tensor bytes :func:`save_model` writes external data (protobuf's limit)."""
+"""Protobuf's limit: a model with more tensor bytes than this cannot be written inline."""
+PER_TENSOR_THRESHOLD = 32 << 20
+"""Above this many tensor bytes, :func:`save_model` by default gives each large tensor a data
+file of its own (``per_tensor``): a re-export then writes the files of the tensors that
+changed and links the others, where one file would be rewritten whole (about 0.1 s for
+32 MiB here, and every retune of an LLM pays it)."""
+PER_TENSOR = "per_tensor"
+"""``external_data`` for one data file per large tensor, small tensors inline."""
 _ALIGNMENT = 64
 _PAGE_ALIGNMENT = 4096
 """External data of a tensor of at least ``_PAGE_ALIGNED_BYTES`` starts on a page: runtimes can
@@ -97,17 +104,26 @@ class SavedFile:
 @dataclass(frozen=True)
 class PreviousFile:
     """A file written before, with the ranges recorded for it: where unchanged tensors can be
-    copied from. Untrusted: every copied range is verified against its digest."""
+    copied from. Untrusted: every copied range is verified against its digest. ``intact``:
+    its size, modification time and inode are those recorded when it was written (nobody
+    touched it since), so a file of one range can be linked whole, as placement links the
+    files of an unchanged product."""
 
     path: Path
     ranges: Sequence[TensorRange]
+    intact: bool = False
 
 
-def save_model(bound: BoundModel, path: Path, *, external_data: bool | None = None) -> list[Path]:
-    """Write ``path`` (``<name>.onnx``) and, with external data, ``<name>.onnx.data``.
+def save_model(
+    bound: BoundModel, path: Path, *, external_data: bool | str | None = None
+) -> list[Path]:
+    """Write ``path`` (``<name>.onnx``) and, with external data, its data files.
 
-    External data is used when asked for, or by default when the tensors exceed 2 GiB;
-    tensors are then streamed to the data file one by one (no >2 GiB proto is built). Inline,
+    ``external_data``: ``False``, every tensor inline; ``True``, every tensor in one file,
+    ``<name>.onnx.data``; ``"per_tensor"``, each tensor of 64 KiB or more in a file of its
+    own, ``<name>.onnx.data.<k>`` (``k`` counting them in the graph's order), the smaller
+    ones inline; ``None`` (the default), inline up to 32 MiB of tensors, ``per_tensor``
+    above. External tensors are streamed to their files (no >2 GiB proto is built). Inline,
     the model is streamed too (:func:`_stream_inline`): it loads as :func:`materialize`
     builds it, but no full copy is made. Either way the bytes depend on ``bound`` only. Each
     file is written to a temporary name and renamed into place. Returns the written paths.
@@ -119,26 +135,101 @@ def write_model(
     bound: BoundModel,
     path: Path,
     *,
-    external_data: bool | None = None,
+    external_data: bool | str | None = None,
     previous: Sequence[PreviousFile] = (),
 ) -> list[SavedFile]:
     """:func:`save_model`, reporting each file's digest and tensor ranges, and taking every
-    tensor it can from ``previous`` files by range copies (verified, see the module's
-    docstring). The bytes are the same as without ``previous``."""
+    tensor it can from ``previous`` files: a whole data file an intact previous file holds
+    the same bytes of is hard-linked, other tensors are range-copied (verified, see the
+    module's docstring). The bytes are the same as without ``previous``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if external_data is None:
-        total = sum(a.nbytes for a in bound.tensors.values())
-        external_data = total > EXTERNAL_DATA_THRESHOLD
+    layout = data_layout(bound, external_data)
     with _Sources(previous) as sources:
-        if not external_data:
+        if layout is False:
             return [_write_atomic(path, _stream_inline(bound), sources)]
+        if layout == PER_TENSOR:
+            return _write_per_tensor(bound, path, sources)
         data_path = path.with_name(path.name + ".data")
         model = onnx.ModelProto()
         model.CopyFrom(bound.model)
         data = _write_atomic(data_path, _stream_tensors(bound, model, data_path.name), sources)
         onnx_file = _write_atomic(path, [model.SerializeToString(deterministic=True)])
         return [onnx_file, data]
+
+
+def data_layout(bound: BoundModel, external_data: bool | str | None) -> bool | str:
+    """``external_data`` resolved for ``bound``: ``False``, ``True`` or ``"per_tensor"``."""
+    if external_data is None:
+        total = sum(a.nbytes for a in bound.tensors.values())
+        return PER_TENSOR if total > PER_TENSOR_THRESHOLD else False
+    if external_data is True or external_data is False or external_data == PER_TENSOR:
+        return external_data
+    raise ExportError(f"external_data must be true, false or {PER_TENSOR!r}, not {external_data!r}")
+
+
+def data_file_name(model_file: str, index: int | None = None) -> str:
+    """The name of a model file's data file: ``<model>.onnx.data``, or the ``index``-th
+    ``per_tensor`` file, ``<model>.onnx.data.<index>``."""
+    return f"{model_file}.data" if index is None else f"{model_file}.data.{index}"
+
+
+def is_data_file(name: str, model_file: str) -> bool:
+    """True for a name :func:`data_file_name` gives for ``model_file``."""
+    stem = f"{model_file}.data"
+    if name == stem:
+        return True
+    index = name[len(stem) + 1 :] if name.startswith(stem + ".") else ""
+    return index.isdigit() and index.isascii() and str(int(index)) == index
+
+
+def _write_per_tensor(bound: BoundModel, path: Path, sources: _Sources) -> list[SavedFile]:
+    """Each reference of 64 KiB or more into a data file of its own, the rest inline; then
+    the model file, which names the data files."""
+    model = onnx.ModelProto()
+    model.CopyFrom(bound.model)
+    files: list[SavedFile] = []
+    for init in iter_references(model.graph):
+        payload = _payload(bound, init)
+        length = len(payload.data)
+        _clear_reference(init)
+        if length < _PAGE_ALIGNED_BYTES:
+            init.raw_data = bytes(payload.data)
+            continue
+        name = data_file_name(path.name, len(files))
+        files.append(_write_tensor_file(path.with_name(name), payload, sources))
+        init.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", name), ("offset", 0), ("length", length)):
+            entry = init.external_data.add()
+            entry.key, entry.value = key, str(value)
+    onnx_file = _write_atomic(path, [model.SerializeToString(deterministic=True)])
+    return [onnx_file, *files]
+
+
+def _write_tensor_file(path: Path, payload: Payload, sources: _Sources) -> SavedFile:
+    """A data file holding one tensor's bytes: a hard link to an intact previous file holding
+    exactly those bytes where there is one, else written."""
+    length = len(payload.data)
+    digest = payload.digest or digest_bytes(payload.data)
+    whole = TensorRange(0, length, digest)
+    linked = sources.whole_file(digest, length)
+    if linked is not None and _link_atomic(linked, path):
+        return SavedFile(path, digest, length, (whole,), copied=length)
+    return _write_atomic(path, [Payload(payload.data, digest)], sources)
+
+
+def _link_atomic(source: Path, path: Path) -> bool:
+    """Make ``path`` a hard link to ``source`` (replacing ``path``); False where the file
+    system cannot (another device, no hard links, too many links)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        os.link(source, tmp, follow_symlinks=False)
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
 
 
 @dataclass(frozen=True)
@@ -334,6 +425,7 @@ def _write_atomic(
             f.flush()
             f.truncate(writer.pos)  # nothing of a failed copy past the end
             os.fsync(f.fileno())
+            release(f.fileno(), 0, writer.pos)  # its pages serve the next file
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -350,6 +442,7 @@ class _Sources:
         self._previous = previous
         self._fds: list[int] = []
         self.ranges: dict[tuple[str, int], tuple[int, int]] = {}  # (digest, length) -> (fd, off)
+        self.whole: dict[tuple[str, int], Path] = {}  # intact one-tensor files
 
     def __enter__(self) -> _Sources:
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -365,6 +458,10 @@ class _Sources:
             for r in prev.ranges:
                 if r.length > 0 and r.offset >= 0 and r.offset + r.length <= st.st_size:
                     self.ranges.setdefault((r.digest, r.length), (fd, r.offset))
+            if prev.intact and len(prev.ranges) == 1:
+                (r,) = prev.ranges
+                if r.offset == 0 and r.length == st.st_size:
+                    self.whole.setdefault((r.digest, r.length), prev.path)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -374,6 +471,10 @@ class _Sources:
 
     def find(self, digest: str, length: int) -> tuple[int, int] | None:
         return self.ranges.get((digest, length))
+
+    def whole_file(self, digest: str, length: int) -> Path | None:
+        """An intact previous file holding exactly these bytes, and nothing else."""
+        return self.whole.get((digest, length))
 
 
 #: errnos with which copy_file_range says it cannot copy between these files (then every

@@ -54,7 +54,7 @@ class Placement:
 
     out_dir: Path
     model_name: str
-    external_data: bool | None
+    external_data: bool | str | None
     header: dict[str, Any]  # target, format, model_name, pipeline: written into the lock
 
 
@@ -93,10 +93,12 @@ def allowed_name(name: Any, pipeline: Pipeline, placement: Placement) -> bool:
     """True for a plain file name the pipeline may place: one it declares in
     ``output_files`` (or, declaring none, ``<model_name>.<suffix>``), or the ONNX model's
     own files; never the lock file."""
+    from graphbuild.onnx.save import is_data_file
+
     if not is_plain_name(name) or name == LOCK_FILE:
         return False
     model = placement.model_name
-    if name in (f"{model}.onnx", f"{model}.onnx.data"):
+    if name == f"{model}.onnx" or is_data_file(name, f"{model}.onnx"):
         return True
     if pipeline.output_files is not None:
         return name in pipeline.output_files
@@ -115,11 +117,16 @@ def _valid_stamp(stamp: Any, pipeline: Pipeline, placement: Placement) -> bool:
 
 def _previous_files(stamp: dict[str, Any], placement: Placement) -> list[Any]:
     """The placed model files whose tensor ranges the stamp records: a new model file copies
-    its unchanged tensors from them (verified as copied, so a file edited since is safe)."""
+    its unchanged tensors from them (verified as copied, so a file edited since is safe), and
+    links a data file an intact one holds the same bytes of."""
     from graphbuild.onnx.save import PreviousFile, TensorRange
 
     return [
-        PreviousFile(placement.out_dir / f["name"], [TensorRange(*r) for r in f["ranges"]])
+        PreviousFile(
+            placement.out_dir / f["name"],
+            [TensorRange(*r) for r in f["ranges"]],
+            intact=_intact(f, placement),
+        )
         for _, f in stamp.get("files", [])
         if f.get("ranges")
     ]
@@ -212,7 +219,7 @@ def _place(
                         digests[kind_of]["ranges"] = ranges
         lock = _lock(pipeline, result.report, placement, digests, written)
         (tmp / LOCK_FILE).write_text(_lock_text(lock))
-        stale = {f"{placement.model_name}.onnx.data"} - {p.name for p in written.values()}
+        stale = _data_files(out_dir, placement.model_name) - {p.name for p in written.values()}
         _commit(tmp, out_dir, {p.name for p in written.values()} | {LOCK_FILE}, stale)
         committed = True
         return {kind: out_dir / p.name for kind, p in written.items()}, digests, lock
@@ -357,6 +364,18 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _data_files(out_dir: Path, model_name: str) -> set[str]:
+    """The data files of ``<model_name>.onnx`` in ``out_dir``: a new model file replaces
+    them all (one layout's files must not outlive a change to another)."""
+    from graphbuild.onnx.save import is_data_file
+
+    try:
+        names = os.listdir(out_dir)
+    except OSError:
+        return set()
+    return {n for n in names if is_data_file(n, f"{model_name}.onnx")}
 
 
 def _declared(pipeline: Pipeline, placement: Placement) -> str:

@@ -46,6 +46,11 @@ class QnnOnnxOptions:
     on the HTP. ``None`` (the default) requantizes unless one of ``htp_arch`` refuses a 16x16
     MatMul with an int16 second input (v68, v69): one QDQ model serves every listed arch.
 
+    ``external_data`` lays out the model file's tensors (:func:`graphbuild.onnx.save.save_model`):
+    ``None`` (the default) inline up to 32 MiB of tensors, ``"per_tensor"`` above (each
+    tensor of 64 KiB or more in a data file of its own, so a retune rewrites only the tensors
+    it changed); ``True`` one ``<name>.onnx.data``; ``False`` inline (up to protobuf's 2 GiB).
+
     ``range_method`` sets how a preset's activation ranges come from calibration:
     ``minmax`` (the observed extremes), ``moving_average`` (of each calibration call's
     extremes, constant ``range_averaging``), ``percentile`` (``range_percentile`` and its
@@ -60,7 +65,7 @@ class QnnOnnxOptions:
     encodings_version: str = DEFAULT_ENCODINGS_VERSION
     input_names: Sequence[str] | None = None
     output_names: Sequence[str] | None = None
-    external_data: bool | None = None
+    external_data: bool | str | None = None
     fake_quantize_weights: bool = True
     quantizer: Any = None
     calibration: Sequence[Any] | None = None
@@ -181,7 +186,9 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "encodings_version": STR,
     "input_names": STRS,
     "output_names": STRS,
-    "external_data": BOOL,
+    "external_data": OptionType(
+        'true, false or "per_tensor"', lambda v: isinstance(v, bool) or v == "per_tensor"
+    ),
     "fake_quantize_weights": BOOL,
     "check_numerics": BOOL,
     "int32_bias": BOOL,
