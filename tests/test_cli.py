@@ -47,6 +47,7 @@ STAGES = [
     "weight_qparams",
     "weight_digests",
     "bind",
+    "htp_view",
     "encodings",
     "coverage",
 ]

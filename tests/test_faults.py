@@ -296,7 +296,10 @@ def flipped(warm) -> SimpleNamespace:
 
 def test_a_byte_flipped_in_every_blob_is_detected_rebuilt_and_counted(warm, flipped):
     rebuilt = [s for s in flipped.first["stages"] if s["status"] == "ran"]
-    assert {"bind", "encodings"} <= {s["name"] for s in rebuilt}  # the products were loaded
+    assert "encodings" in {s["name"] for s in rebuilt}  # a product was loaded: rebuilt
+    # bind keeps its output's digest, not its bytes (the model holds the weights): no blob
+    # to flip; the placement recomputes it, and the files are the warm export's (below)
+    assert "bind" not in {s["name"] for s in rebuilt}
     assert all("corrupt" in s["reason"] for s in rebuilt), rebuilt
     assert flipped.first_files == warm.files
     assert flipped.first_stats["corrupt"] == len(rebuilt)
