@@ -181,6 +181,17 @@ def test_plain_output_is_one_line_per_stage_and_a_summary(warm, cli):
     assert "  onnx       out/convnet.onnx" in lines  # relative to the working directory
 
 
+def test_per_tensor_data_files_are_one_line_for_people():
+    from graphbuild.cli.export import _file_lines
+
+    files = {"onnx": "/o/m.onnx", "encodings": "/o/m.encodings"}
+    files.update({f"onnx.data.{k}": f"/o/m.onnx.data.{k}" for k in range(12)})
+    files["lock"] = "/o/graphbuild.lock.json"
+    lines = _file_lines(files)
+    assert [kind for kind, _ in lines] == ["onnx", "encodings", "onnx.data", "lock"]
+    assert lines[2][1].endswith("m.onnx.data.<0-11> (12 files)")
+
+
 def test_quiet_prints_only_the_files(warm, cli):
     out = invoke("export", "--quiet").stdout
     assert out.splitlines() == [warm["files"][k] for k in ("onnx", "encodings", "lock")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -184,8 +185,25 @@ def export(
     console.print(progress.summary(report, report.seconds))
     for line in _report_lines(report.extra):
         console.print(Text(f"  {line}"))
+    for kind, shown in _file_lines(files):
+        console.print(Text(f"  {kind:<10} {shown}"))
+
+
+def _file_lines(files: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(kind, path as shown) per placed file; a model's ``per_tensor`` data files are one
+    line, ``<name>.onnx.data.<0-N>``, however many there are."""
+    data = [path for kind, path in files.items() if _PER_TENSOR.fullmatch(kind)]
+    lines = []
     for kind, path in files.items():
-        console.print(Text(f"  {kind:<10} {display_path(path)}"))
+        if not _PER_TENSOR.fullmatch(kind):
+            lines.append((kind, display_path(path)))
+        elif path == data[0]:
+            stem = display_path(path).rpartition(".")[0]
+            lines.append(("onnx.data", f"{stem}.<0-{len(data) - 1}> ({len(data)} files)"))
+    return lines
+
+
+_PER_TENSOR = re.compile(r"onnx\.data\.\d+")
 
 
 def _report_lines(extra: Mapping[str, Any]) -> list[str]:
