@@ -226,3 +226,23 @@ def test_a_change_of_layout_leaves_no_data_file_of_the_old_one(tmp_path):
     assert not any(is_data_file(p.name, "mlp.onnx") for p in out.iterdir())
     assert (out / "notes.txt").read_text() == "mine"
     assert os.path.getsize(out / "mlp.onnx") > 256 * 256 * 4
+
+
+def test_a_write_that_fails_midway_leaves_no_temporary_file(tmp_path, monkeypatch):
+    from graphbuild.onnx import save as save_module
+
+    real = save_module._payload
+    seen = []
+
+    def failing(bound, init):
+        seen.append(init.name)
+        if init.name == "w2":
+            raise OSError(28, "No space left on device")
+        return real(bound, init)
+
+    monkeypatch.setattr(save_module, "_payload", failing)
+    with pytest.raises(OSError, match="No space"):
+        save_model(mlp_bound_model(), tmp_path / "m.onnx", external_data="per_tensor")
+    assert "w2" in seen
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert not (tmp_path / "m.onnx").exists()  # the model file comes last

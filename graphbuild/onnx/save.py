@@ -43,7 +43,7 @@ from graphbuild.onnx.bind import (
     is_reference,
     iter_references,
 )
-from graphbuild.onnx.filesystem import Streamer, release, shares_blocks
+from graphbuild.onnx.filesystem import Streamer, release, shares_blocks, start_writeback
 
 EXTERNAL_DATA_THRESHOLD = 2**31
 """Protobuf's limit: a model with more tensor bytes than this cannot be written inline."""
@@ -185,37 +185,53 @@ def is_data_file(name: str, model_file: str) -> bool:
 
 def _write_per_tensor(bound: BoundModel, path: Path, sources: _Sources) -> list[SavedFile]:
     """Each reference of 64 KiB or more into a data file of its own, the rest inline; then
-    the model file, which names the data files."""
+    the model file, which names the data files. A data file is synced and renamed while the
+    next one is written (its bytes on their way to the disk meanwhile)."""
     model = onnx.ModelProto()
     model.CopyFrom(bound.model)
     files: list[SavedFile] = []
-    for init in iter_references(model.graph):
-        payload = _payload(bound, init)
-        length = len(payload.data)
-        _clear_reference(init)
-        if length < _PAGE_ALIGNED_BYTES:
-            init.raw_data = bytes(payload.data)
-            continue
-        name = data_file_name(path.name, len(files))
-        files.append(_write_tensor_file(path.with_name(name), payload, sources))
-        init.data_location = onnx.TensorProto.EXTERNAL
-        for key, value in (("location", name), ("offset", 0), ("length", length)):
-            entry = init.external_data.add()
-            entry.key, entry.value = key, str(value)
+    pending: _Pending | None = None
+    try:
+        for init in iter_references(model.graph):
+            payload = _payload(bound, init)
+            length = len(payload.data)
+            _clear_reference(init)
+            if length < _PAGE_ALIGNED_BYTES:
+                init.raw_data = bytes(payload.data)
+                continue
+            name = data_file_name(path.name, len(files))
+            saved, written = _write_tensor_file(path.with_name(name), payload, sources)
+            files.append(saved)
+            if pending is not None:
+                pending.settle()
+            pending = written
+            init.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", name), ("offset", 0), ("length", length)):
+                entry = init.external_data.add()
+                entry.key, entry.value = key, str(value)
+        if pending is not None:
+            pending, last = None, pending
+            last.settle()
+    finally:
+        if pending is not None:
+            pending.discard()
     onnx_file = _write_atomic(path, [model.SerializeToString(deterministic=True)])
     return [onnx_file, *files]
 
 
-def _write_tensor_file(path: Path, payload: Payload, sources: _Sources) -> SavedFile:
+def _write_tensor_file(
+    path: Path, payload: Payload, sources: _Sources
+) -> tuple[SavedFile, _Pending | None]:
     """A data file holding one tensor's bytes: a hard link to an intact previous file holding
-    exactly those bytes where there is one, else written."""
+    exactly those bytes where there is one (in place at once), else written (pending)."""
     length = len(payload.data)
     digest = payload.digest or digest_bytes(payload.data)
     whole = TensorRange(0, length, digest)
     linked = sources.whole_file(digest, length)
     if linked is not None and _link_atomic(linked, path):
-        return SavedFile(path, digest, length, (whole,), copied=length)
-    return _write_atomic(path, [Payload(payload.data, digest)], sources)
+        return SavedFile(path, digest, length, (whole,), copied=length), None
+    written = _write_pending(path, [Payload(payload.data, digest)], sources)
+    return written.saved, written
 
 
 def _link_atomic(source: Path, path: Path) -> bool:
@@ -416,6 +432,43 @@ def _write_atomic(
     chunks: Iterable[bytes | memoryview | Payload],
     sources: _Sources | None = None,
 ) -> SavedFile:
+    pending = _write_pending(path, chunks, sources)
+    pending.settle()
+    return pending.saved
+
+
+@dataclass
+class _Pending:
+    """A file written under a temporary name and handed to the disk, not yet synced:
+    :meth:`settle` waits for it, lets its pages go and renames it into place."""
+
+    tmp: Path
+    path: Path
+    saved: SavedFile
+
+    def settle(self) -> None:
+        try:
+            fd = os.open(self.tmp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                os.fsync(fd)
+                release(fd, 0, self.saved.size)  # its pages serve the next file
+            finally:
+                os.close(fd)
+            os.replace(self.tmp, self.path)
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
+def _write_pending(
+    path: Path,
+    chunks: Iterable[bytes | memoryview | Payload],
+    sources: _Sources | None = None,
+) -> _Pending:
+    """Write ``chunks`` to a temporary name beside ``path`` and start handing them to the
+    disk; the caller settles the result (:meth:`_Pending.settle`) or discards it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w+b") as f:  # read too: copied ranges are read back
@@ -424,12 +477,11 @@ def _write_atomic(
                 writer.add(chunk)
             f.flush()
             f.truncate(writer.pos)  # nothing of a failed copy past the end
-            os.fsync(f.fileno())
-            release(f.fileno(), 0, writer.pos)  # its pages serve the next file
-        os.replace(tmp, path)
-    finally:
+            start_writeback(f.fileno(), 0, writer.pos)
+    except BaseException:
         tmp.unlink(missing_ok=True)
-    return writer.result(path)
+        raise
+    return _Pending(tmp, path, writer.result(path))
 
 
 class _Sources:
