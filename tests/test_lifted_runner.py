@@ -4,9 +4,11 @@ programs that mutate state run unlifted."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from graphbuild.errors import CodecError
 from graphbuild.frontend.programs import lifted_runner
 
 
@@ -78,3 +80,21 @@ def test_a_program_edited_since_its_last_run_is_copied_afresh():
     (after,) = lifted_runner(program, replace)(x, extra)
     torch.testing.assert_close(after, program.module()(x, extra), rtol=0, atol=0)
     assert not torch.equal(before, after)
+
+
+def test_an_input_of_another_shape_than_traced_is_refused_naming_both():
+    x, extra = torch.randn(2, 4), {"b": torch.randn(4)}
+    program = torch.export.export(Block().eval(), (x, extra))
+    run = lifted_runner(program)
+    with pytest.raises(CodecError, match=r"input 0 has shape \[3, 4\].*traced for \[2, 4\]"):
+        run(torch.randn(3, 4), extra)
+
+
+def test_a_dynamic_dimension_takes_any_size():
+    x, extra = torch.randn(2, 4), {"b": torch.randn(4)}
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(
+        Block().eval(), (x, extra), dynamic_shapes=({0: batch}, {"b": None})
+    )
+    (out,) = lifted_runner(program)(torch.randn(5, 4), extra)
+    assert out.shape == (5, 4)

@@ -343,6 +343,16 @@ def test_a_calibration_batch_holding_nan_is_refused_naming_it(tmp_path):
     assert "calibration batch 1 holds NaN" in str(err.value)
 
 
+def test_a_calibration_batch_of_another_shape_than_traced_is_refused_naming_it(tmp_path):
+    model, samples, batches = batchnorm_net()
+    batches[2] = (torch.randn(1, 3, 16, 16),)
+    with pytest.raises(StageError) as err:
+        export(model, samples, tmp_path / "out", False, quantizer="w8a8", calibration=batches)
+    assert err.value.stage == "calibrate"
+    assert "calibration batch 2: input 0 has shape [1, 3, 16, 16]" in str(err.value)
+    assert "traced for [1, 3, 8, 8]" in str(err.value)
+
+
 class MakesNaN(nn.Module):
     """Finite inputs, a NaN inside: the log of a negative number."""
 

@@ -137,15 +137,51 @@ def lifted_runner(
         return _unlifted(program, replace)
     module = _replaced(program.graph_module, replace) if replace else program.graph_module
     in_spec = program.call_spec.in_spec
+    expected = _user_input_shapes(program)
 
     def run(*args: Any) -> Any:
         flat, spec = torch.utils._pytree.tree_flatten((args, {}))
         if in_spec is not None and spec != in_spec:
             raise CodecError(f"the program takes arguments {in_spec}, not {spec}")
+        _check_shapes(flat, expected)
         user = iter(flat)
         return list(module(*[next(user) if v is None else v for v in state]))
 
     return run
+
+
+def _user_input_shapes(program: ExportedProgram) -> list[tuple[Any, ...] | None]:
+    """Each user input's shape as the program was traced (an int where the dimension is
+    static, None where it is symbolic), None for a non-tensor input."""
+    user = {
+        s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT
+    }
+    shapes = []
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in user:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                shapes.append(tuple(d if isinstance(d, int) else None for d in val.shape))
+            else:
+                shapes.append(None)
+    return shapes
+
+
+def _check_shapes(flat: list[Any], expected: list[tuple[Any, ...] | None]) -> None:
+    """The guard ``program.module()`` runs: a static dimension must match its trace (the
+    graph's reshapes are specialized to it), else a clear error instead of a wrong run."""
+    for position, (value, shape) in enumerate(zip(flat, expected, strict=False)):
+        if shape is None or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() != len(shape) or any(
+            d is not None and d != v for d, v in zip(shape, value.shape, strict=True)
+        ):
+            traced = [d if d is not None else "*" for d in shape]
+            raise CodecError(
+                f"input {position} has shape {list(value.shape)}; the program was traced "
+                f"for {traced} (* a dynamic dimension): give inputs of the traced shape, or "
+                "export with dynamic shapes"
+            )
 
 
 def _replaced(

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.export import ExportedProgram
 
-from graphbuild.errors import ExportError
+from graphbuild.errors import CodecError, ExportError
 from graphbuild.frontend.devices import to_device
 from graphbuild.frontend.programs import lifted_runner
 from graphbuild.quant.markers import MARKER_TARGET
@@ -292,7 +292,10 @@ def calibrate(
     with torch.no_grad(), _recording(record):
         for index, batch in enumerate(batches):
             _check_batch(index, batch)
-            run(*batch)
+            try:
+                run(*batch)
+            except CodecError as err:
+                raise ExportError(f"quantize: calibration batch {index}: {err}") from err
     out = pack(observed)
     _check_no_nan(sites, Statistics(out))
     return out
