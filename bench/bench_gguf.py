@@ -73,10 +73,10 @@ class CopySpy:
     writes."""
 
     def __init__(self) -> None:
-        from graphbuild.onnx import save
+        from graphbuild.onnx import files
 
-        self._save, self.copied, self.written = save, 0, 0
-        self._copy, self._write = save.os.copy_file_range, save._FileWriter._write
+        self._save, self.copied, self.written = files, 0, 0
+        self._copy, self._write = files.os.copy_file_range, files._FileWriter._write
 
     def __enter__(self) -> CopySpy:
         def copy(*args):

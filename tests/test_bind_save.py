@@ -355,7 +355,7 @@ def test_save_inline_reads_the_tensors_in_place(tmp_path, monkeypatch):
     bound = mixed_bound_model()
     monkeypatch.setattr(save_module, "materialize", None)
     written: list[object] = []
-    write_atomic = save_module._write_atomic
+    write_atomic = save_module.write_atomic
 
     def spy(path, chunks, *sources):
         def record():
@@ -365,7 +365,7 @@ def test_save_inline_reads_the_tensors_in_place(tmp_path, monkeypatch):
 
         return write_atomic(path, record(), *sources)
 
-    monkeypatch.setattr(save_module, "_write_atomic", spy)
+    monkeypatch.setattr(save_module, "write_atomic", spy)
     save_model(bound, tmp_path / "m.onnx", external_data=False)
     views = [c for c in written if isinstance(c, memoryview)]
     assert len(views) == 7  # every reference but 4-bit q4 (packed) and sub_then (a subgraph's)

@@ -13,7 +13,7 @@ import torch
 
 import graphbuild as gb
 from graphbuild.engine.scheduler import EventKind
-from graphbuild.onnx import save as save_module
+from graphbuild.onnx import files as files_module
 from graphbuild.targets.gguf import tensors as tensors_module
 from tests import gguf_models as gm
 
@@ -71,7 +71,7 @@ def tokenizers(tmp_path_factory) -> tuple[Path, Path]:
 def copies(monkeypatch) -> list[int]:
     """Bytes each ``os.copy_file_range`` call of the writer copied, on a file system that
     shares blocks (btrfs, XFS), where the writer copies, whatever holds tmp_path."""
-    monkeypatch.setattr(save_module, "shares_blocks", lambda fd: True)
+    monkeypatch.setattr(files_module, "shares_blocks", lambda fd: True)
     seen: list[int] = []
     real = os.copy_file_range
 
@@ -80,7 +80,7 @@ def copies(monkeypatch) -> list[int]:
         seen.append(n)
         return n
 
-    monkeypatch.setattr(save_module.os, "copy_file_range", spy)
+    monkeypatch.setattr(files_module.os, "copy_file_range", spy)
     return seen
 
 
@@ -290,7 +290,7 @@ def test_own_quantizers_scales_only_repack_without_retracing(warm_quantized, tok
 def test_without_copy_file_range_every_tensor_is_written(warm, tokenizers, monkeypatch, tmp_path):
     """macOS has no ``os.copy_file_range``: the file is written whole, the same bytes."""
     model, out, cache = warm
-    monkeypatch.delattr(save_module.os, "copy_file_range")
+    monkeypatch.delattr(files_module.os, "copy_file_range")
     with torch.no_grad():
         model.model.model.layers[0].mlp.up_proj.weight.mul_(0.5)
     build(model, out, cache, tokenizers[0])

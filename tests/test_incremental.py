@@ -18,8 +18,8 @@ import torch
 import graphbuild as gb
 from graphbuild.errors import FingerprintMismatchError, StageError
 from graphbuild.onnx import bind as bind_module
+from graphbuild.onnx import files as files_module
 from graphbuild.onnx import filesystem
-from graphbuild.onnx import save as save_module
 from graphbuild.onnx.bind import BoundModel
 from graphbuild.onnx.save import PreviousFile, save_model, write_model
 from tests.models import FakeQuantConvNet
@@ -41,7 +41,7 @@ def fresh_memo():
 def blocks_shared(monkeypatch):
     """The writer copies from a previous file where the file system shares blocks (btrfs,
     XFS): these tests run it as it runs there, whatever file system holds tmp_path."""
-    monkeypatch.setattr(save_module, "shares_blocks", lambda fd: True)
+    monkeypatch.setattr(files_module, "shares_blocks", lambda fd: True)
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def copies(monkeypatch) -> list[int]:
         seen.append(n)
         return n
 
-    monkeypatch.setattr(save_module.os, "copy_file_range", spy)
+    monkeypatch.setattr(files_module.os, "copy_file_range", spy)
     return seen
 
 
@@ -160,7 +160,7 @@ def test_without_copy_file_range_every_tensor_is_written(tmp_path, monkeypatch):
     first = mixed_bound_model()
     (tmp_path / "a").mkdir()
     (old,) = write_model(first, tmp_path / "a" / "m.onnx", external_data=True)[-1:]
-    monkeypatch.setattr(save_module.os, "copy_file_range", unsupported)
+    monkeypatch.setattr(files_module.os, "copy_file_range", unsupported)
     (new,) = write_model(
         first,
         tmp_path / "b" / "m.onnx",
@@ -175,7 +175,7 @@ def test_where_the_file_system_shares_no_blocks_every_tensor_is_written(
 ):
     """On ext4 or tmpfs a range copy moves the bytes as a write does, and the read-back
     check makes it dearer: the tensors, in memory anyway, are written."""
-    monkeypatch.setattr(save_module, "shares_blocks", real_shares_blocks)
+    monkeypatch.setattr(files_module, "shares_blocks", real_shares_blocks)
     monkeypatch.setattr(filesystem, "file_system_type", lambda fd: 0xEF53)  # ext4
     first = mixed_bound_model()
     (tmp_path / "a").mkdir()
@@ -209,13 +209,13 @@ def test_a_large_file_is_streamed_to_disk_as_it_is_written(tmp_path, monkeypatch
     released: list[tuple[int, int]] = []
     monkeypatch.setattr(filesystem, "start_writeback", lambda fd, a, n: handed.append((a, n)))
     monkeypatch.setattr(filesystem, "release", lambda fd, a, n: released.append((a, n)))
-    monkeypatch.setattr(save_module, "_STREAM_BYTES", 64)
+    monkeypatch.setattr(files_module, "_STREAM_BYTES", 64)
     bound = mixed_bound_model()
     (saved,) = write_model(bound, tmp_path / "a" / "m.onnx", external_data=False)
     assert len(handed) > 2 and handed[0][0] == 0 and all(n >= 64 for _, n in handed)
     assert all(a + n == b for (a, n), (b, _) in zip(handed, handed[1:], strict=False))
     assert released == handed[:-1]  # the latest range stays until the next one is written
-    monkeypatch.setattr(save_module, "_STREAM_BYTES", 1 << 62)
+    monkeypatch.setattr(files_module, "_STREAM_BYTES", 1 << 62)
     (whole,) = write_model(bound, tmp_path / "b" / "m.onnx", external_data=False)
     assert saved.path.read_bytes() == whole.path.read_bytes()
 
