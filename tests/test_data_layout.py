@@ -246,3 +246,54 @@ def test_a_write_that_fails_midway_leaves_no_temporary_file(tmp_path, monkeypatc
     assert "w2" in seen
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     assert not (tmp_path / "m.onnx").exists()  # the model file comes last
+
+
+def test_a_re_export_leaves_every_data_file_with_one_link_and_onnx_loads_it(tmp_path):
+    """onnx refuses external data with more than one hard link (a possible hard-link attack):
+    the replaced export's names are gone when the export returns, and two tensors with the
+    same bytes never share a file."""
+    m = Mlp().eval()
+    with torch.no_grad():
+        m.b.weight.copy_(m.a.weight)  # two tensors, one digest
+    out = tmp_path / "out"
+    export(m, out, tmp_path / "cache")
+    with torch.no_grad():
+        m.c.bias.add_(1.0)
+    export(m, out, tmp_path / "cache")
+    data = [p for p in out.iterdir() if is_data_file(p.name, "mlp.onnx")]
+    assert len(data) == 3
+    assert [p.stat().st_nlink for p in data] == [1, 1, 1]
+    loaded = onnx.load(str(out / "mlp.onnx"))
+    onnx.checker.check_model(str(out / "mlp.onnx"), full_check=True)
+    assert len(loaded.graph.initializer) >= 3
+    np.testing.assert_allclose(
+        run(str(out / "mlp.onnx"), SAMPLE[0].numpy()), m(*SAMPLE).detach().numpy(), atol=1e-5
+    )
+
+
+def test_a_previous_file_replaced_after_it_was_opened_is_not_linked(tmp_path, monkeypatch):
+    """write_model links a previous file only while its path still names the file it opened:
+    here the two previous files trade places just before the first link."""
+    from graphbuild.onnx.save import PreviousFile, write_model
+
+    bound = mlp_bound_model()
+    old = write_model(bound, tmp_path / "a" / "m.onnx", external_data="per_tensor")
+    previous = [PreviousFile(f.path, f.ranges, intact=True) for f in old[1:]]
+    real_link = os.link
+
+    def swap_then_link(src, dst, **kwargs):
+        a, b = old[1].path, old[2].path
+        os.replace(a, a.with_name("swap"))
+        os.replace(b, a)
+        os.replace(a.with_name("swap"), b)
+        monkeypatch.setattr(os, "link", real_link)
+        return real_link(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "link", swap_then_link)
+    new = write_model(
+        bound, tmp_path / "b" / "m.onnx", external_data="per_tensor", previous=previous
+    )
+    assert [f.path.read_bytes() for f in new[1:]] == [
+        bound.tensors["w1"].tobytes(),
+        bound.tensors["w2"].tobytes(),
+    ]

@@ -98,3 +98,18 @@ def test_a_dynamic_dimension_takes_any_size():
     )
     (out,) = lifted_runner(program)(torch.randn(5, 4), extra)
     assert out.shape == (5, 4)
+
+
+class Scaled(nn.Module):
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x * n
+
+
+def test_a_constant_input_other_than_traced_is_refused():
+    x = torch.ones(2)
+    program = torch.export.export(Scaled(), (x, 3))
+    run = lifted_runner(program)
+    (out,) = run(x, 3)
+    torch.testing.assert_close(out, 3 * x)
+    with pytest.raises(CodecError, match=r"input 1 is 5; the program was traced for 3"):
+        run(x, 5)

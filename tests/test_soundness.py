@@ -198,6 +198,31 @@ def test_a_stage_that_edits_a_json_document_its_upstream_returned_fails(tmp_path
     assert info.value.stage == "edit" and isinstance(info.value.cause, InputMutationError)
 
 
+def test_a_stage_that_edits_its_input_then_raises_leaves_the_next_reader_unblamed(tmp_path):
+    """The failed stage's edit is never checked; a later reader of the value takes its own
+    token, so it is not named for an edit it did not make."""
+
+    def layout(inputs, samples, ctx):
+        return {"sites": [1, 2]}
+
+    def breaks(inputs, samples, ctx):
+        inputs[0]["sites"].append(3)
+        raise ValueError("broken stage")
+
+    def reader(inputs, samples, ctx):
+        return len(inputs[0]["sites"])
+
+    p = Pipeline(name="edit-then-raise")
+    p.register_stage(layout, "layout", reads=())
+    p.register_stage(breaks, "breaks", reads=()).depends_on("layout")
+    p.register_stage(reader, "reader", reads=()).depends_on("layout")
+
+    with pytest.raises(StageError) as info:
+        p.run(None, cache=gb.Cache(tmp_path / "cache"))
+
+    assert info.value.stage == "breaks" and isinstance(info.value.cause, ValueError)
+
+
 def test_encoding_a_program_leaves_its_metadata_as_it_was():
     program = torch.export.export(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), (torch.ones(1, 2),))
     before = {n.name: n.meta.get("stack_trace") for n in program.graph.nodes}

@@ -123,6 +123,12 @@ class Tokens:
         self._known[id(value)] = (value, token)
         return token
 
+    def forget(self, values: Any) -> None:
+        """Drop what is known of ``values``: a stage that failed may have changed them
+        before it raised, unchecked, so the next stage handed one takes a token afresh."""
+        for value in values:
+            self._known.pop(id(value), None)
+
 
 def contents_token(value: Any) -> Any:
     """A token of ``value``'s contents that changes when they change: the codec's snapshot,

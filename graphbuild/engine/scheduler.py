@@ -227,7 +227,11 @@ class _Run(Keys):
         """``stage``'s function on ``inputs``, guarded: an undeclared read it caught is raised
         again, and inputs it changed are an :class:`InputMutationError`."""
         before = self._snapshots(name, inputs, ctx)
-        value = stage.fn(inputs, self.samples, ctx)
+        try:
+            value = stage.fn(inputs, self.samples, ctx)
+        except BaseException:
+            self.tokens.forget(t.value for t in before)
+            raise
         if ctx.violation is not None:  # read undeclared, then caught the error
             raise ctx.violation
         self._check_inputs(name, before)

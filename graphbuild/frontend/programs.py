@@ -150,36 +150,51 @@ def lifted_runner(
     return run
 
 
-def _user_input_shapes(program: ExportedProgram) -> list[tuple[Any, ...] | None]:
-    """Each user input's shape as the program was traced (an int where the dimension is
-    static, None where it is symbolic), None for a non-tensor input."""
+def _user_input_shapes(program: ExportedProgram) -> list[Any]:
+    """Each user input as the program was traced: ``("tensor", shape)`` (an int where the
+    dimension is static, None where it is symbolic), ``("value", v)`` for an int, float,
+    bool or string the trace specialized on, None where nothing is known."""
     user = {
         s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT
     }
-    shapes = []
+    traced: list[Any] = []
     for node in program.graph.nodes:
-        if node.op == "placeholder" and node.name in user:
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                shapes.append(tuple(d if isinstance(d, int) else None for d in val.shape))
-            else:
-                shapes.append(None)
-    return shapes
-
-
-def _check_shapes(flat: list[Any], expected: list[tuple[Any, ...] | None]) -> None:
-    """The guard ``program.module()`` runs: a static dimension must match its trace (the
-    graph's reshapes are specialized to it), else a clear error instead of a wrong run."""
-    for position, (value, shape) in enumerate(zip(flat, expected, strict=False)):
-        if shape is None or not isinstance(value, torch.Tensor):
+        if node.op != "placeholder" or node.name not in user:
             continue
-        if value.dim() != len(shape) or any(
-            d is not None and d != v for d, v in zip(shape, value.shape, strict=True)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            traced.append(("tensor", tuple(d if isinstance(d, int) else None for d in val.shape)))
+        elif isinstance(val, (bool, int, float, str)):
+            traced.append(("value", val))
+        else:
+            traced.append(None)
+    return traced
+
+
+def _check_shapes(flat: list[Any], traced: list[Any]) -> None:
+    """The guards ``program.module()`` runs: a static dimension must match its trace (the
+    graph's reshapes are specialized to it), and so must a constant input, else a clear
+    error instead of a run on other values than it was given."""
+    for position, (value, expected) in enumerate(zip(flat, traced, strict=False)):
+        if expected is None:
+            continue
+        kind, want = expected
+        if kind == "value":
+            if type(value) is not type(want) or value != want:
+                raise CodecError(
+                    f"input {position} is {value!r}; the program was traced for {want!r} "
+                    "(a constant of the trace): give that value, or export again with this one"
+                )
+            continue
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() != len(want) or any(
+            d is not None and d != v for d, v in zip(want, value.shape, strict=True)
         ):
-            traced = [d if d is not None else "*" for d in shape]
+            shown = [d if d is not None else "*" for d in want]
             raise CodecError(
                 f"input {position} has shape {list(value.shape)}; the program was traced "
-                f"for {traced} (* a dynamic dimension): give inputs of the traced shape, or "
+                f"for {shown} (* a dynamic dimension): give inputs of the traced shape, or "
                 "export with dynamic shapes"
             )
 

@@ -84,12 +84,16 @@ class PreviousFile:
     intact: bool = False
 
 
-def link_atomic(source: Path, path: Path) -> bool:
+def link_atomic(source: Path, path: Path, identity: tuple[int, int] | None = None) -> bool:
     """Make ``path`` a hard link to ``source`` (replacing ``path``); False where the file
-    system cannot (another device, no hard links, too many links)."""
+    system cannot (another device, no hard links, too many links), or where ``source`` is no
+    longer the file ``identity`` (device, inode) names: it was replaced since it was opened."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         os.link(source, tmp, follow_symlinks=False)
+        st = os.stat(tmp, follow_symlinks=False)
+        if identity is not None and (st.st_dev, st.st_ino) != identity:
+            return False
         os.replace(tmp, path)
     except OSError:
         return False
@@ -199,7 +203,8 @@ class Sources:
         self._previous = previous
         self._fds: list[int] = []
         self.ranges: dict[tuple[str, int], tuple[int, int]] = {}  # (digest, length) -> (fd, off)
-        self.whole: dict[tuple[str, int], Path] = {}  # intact one-tensor files
+        # intact one-tensor files: (digest, length) -> (path, (device, inode))
+        self.whole: dict[tuple[str, int], tuple[Path, tuple[int, int]]] = {}
 
     def __enter__(self) -> Sources:
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -217,8 +222,9 @@ class Sources:
                     self.ranges.setdefault((r.digest, r.length), (fd, r.offset))
             if prev.intact and len(prev.ranges) == 1:
                 (r,) = prev.ranges
-                if r.offset == 0 and r.length == st.st_size:
-                    self.whole.setdefault((r.digest, r.length), prev.path)
+                if r.offset == 0 and r.length == st.st_size and st.st_nlink == 1:
+                    identity = (st.st_dev, st.st_ino)
+                    self.whole.setdefault((r.digest, r.length), (prev.path, identity))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -229,9 +235,11 @@ class Sources:
     def find(self, digest: str, length: int) -> tuple[int, int] | None:
         return self.ranges.get((digest, length))
 
-    def whole_file(self, digest: str, length: int) -> Path | None:
-        """An intact previous file holding exactly these bytes, and nothing else."""
-        return self.whole.get((digest, length))
+    def whole_file(self, digest: str, length: int) -> tuple[Path, tuple[int, int]] | None:
+        """An intact previous file holding exactly these bytes, and nothing else, with its
+        identity (device, inode) as opened; each is handed out once, so no two new files
+        share an inode (onnx refuses a data file with more than one link)."""
+        return self.whole.pop((digest, length), None)
 
 
 #: errnos with which copy_file_range says it cannot copy between these files (then every

@@ -206,7 +206,7 @@ def _write_tensor_file(
     digest = payload.digest or digest_bytes(payload.data)
     whole = TensorRange(0, length, digest)
     linked = sources.whole_file(digest, length)
-    if linked is not None and link_atomic(linked, path):
+    if linked is not None and link_atomic(linked[0], path, linked[1]):
         return SavedFile(path, digest, length, (whole,), copied=length), None
     written = write_pending(path, [Payload(payload.data, digest)], sources)
     return written.saved, written

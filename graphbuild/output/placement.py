@@ -225,6 +225,7 @@ def _place(
         return {kind: out_dir / p.name for kind, p in written.items()}, digests, lock
     finally:
         if committed:  # tmp holds the replaced files now: nobody waits for their removal
+            _release_links(tmp)
             _remove_in_background(tmp)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -332,6 +333,24 @@ def _fsync_dir(path: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def _release_links(replaced: Path) -> None:
+    """Remove, now, the replaced files' names that the new output still links (an unchanged
+    file linked across, a data file an intact one was linked for): a name only, no blocks to
+    free, and the new file is left with one link, which onnx requires of external data (it
+    refuses a file with more than one as a possible hard-link attack)."""
+    for directory in (replaced, replaced / ".previous"):
+        try:
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_file(follow_symlinks=False) and entry.stat().st_nlink > 1:
+                    os.unlink(entry.path)
+            except OSError:
+                pass  # the background removal takes it
 
 
 def _remove_in_background(path: Path) -> None:
