@@ -8,7 +8,7 @@ skip tracing and ONNX conversion (DESIGN.md, invariant 5).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -84,7 +84,8 @@ class QuantSpec:
         return "PER_TENSOR" if self.axis is None else "PER_CHANNEL"
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        # the fields are flat: no deep copy (asdict), a quant map has a spec per quantizer
+        data = {name: getattr(self, name) for name in _SPEC_FIELDS}
         for key in ("scale", "zero_point"):
             ref = getattr(self, key)
             data[key] = ref.to_json() if ref is not None else None
@@ -103,6 +104,7 @@ class QuantSpec:
 
 
 _LPBQ_FIELDS = ("block_scale_bits", "channel_axis")
+_SPEC_FIELDS = tuple(f.name for f in fields(QuantSpec))
 
 
 @dataclass(frozen=True)
