@@ -110,11 +110,16 @@ def with_state(program: ExportedProgram, state: Mapping[str, torch.Tensor]) -> E
 
 
 def lifted_runner(
-    program: ExportedProgram, replace: Mapping[Any, Callable[..., Any]] | None = None
+    program: ExportedProgram,
+    replace: Mapping[Any, Callable[..., Any]] | None = None,
+    *,
+    keep: bool = True,
 ) -> Callable[..., Any]:
     """A function of positional arguments that runs ``program`` (with real state) as
     ``program.module()`` would, each call target in ``replace`` swapped for its function,
-    and returns its outputs flat (a list).
+    and returns its outputs flat (a list). ``keep``: keep the copy of the graph for the next
+    call with the same replacements (functions that outlive the call, not closures over
+    one run's values).
 
     The program's own graph runs, on a copy of the graph where there is something to
     replace, with its parameters, buffers and constants passed as the inputs the graph lifted
@@ -135,7 +140,7 @@ def lifted_runner(
             return _unlifted(program, replace)
     if any(o.kind not in plain for o in sig.output_specs):
         return _unlifted(program, replace)
-    module = _replaced(program.graph_module, replace) if replace else program.graph_module
+    module = _replaced(program.graph_module, replace, keep) if replace else program.graph_module
     in_spec = program.call_spec.in_spec
     expected = _user_input_shapes(program)
 
@@ -200,26 +205,25 @@ def _check_shapes(flat: list[Any], traced: list[Any]) -> None:
 
 
 def _replaced(
-    module: torch.fx.GraphModule, replace: Mapping[Any, Callable[..., Any]]
+    module: torch.fx.GraphModule, replace: Mapping[Any, Callable[..., Any]], keep: bool
 ) -> torch.fx.GraphModule:
-    """A copy of ``module`` calling ``replace``'s functions; kept while ``module`` lives and
-    its code is what it was, so a program decoded once per process (``_DECODED``) is copied
-    and compiled once for the same replacements."""
+    """A copy of ``module`` calling ``replace``'s functions; with ``keep``, kept while
+    ``module`` lives and its code is what it was, so a program decoded once per process
+    (``_DECODED``) is copied and compiled once for the same replacements."""
     key = (id(module), tuple((id(k), id(v)) for k, v in replace.items()))
-    kept = _REPLACED.get(key)
+    kept = _REPLACED.get(key) if keep else None
     if kept is not None and kept[0]() is module and kept[1] == module.code:
         _REPLACED.move_to_end(key)
         return kept[2]
     graph = torch.fx.Graph()
     out = graph.graph_copy(module.graph, {})
     graph.output(out)
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in replace:
-            node.target = replace[node.target]
+    _retarget(graph, replace)
     copy = torch.fx.GraphModule(module, graph)
-    _REPLACED[key] = (weakref.ref(module), module.code, copy)
-    while len(_REPLACED) > _KEEP_DECODED:
-        _REPLACED.popitem(last=False)
+    if keep:
+        _REPLACED[key] = (weakref.ref(module), module.code, copy)
+        while len(_REPLACED) > _KEEP_DECODED:
+            _REPLACED.popitem(last=False)
     return copy
 
 
@@ -232,11 +236,15 @@ def _unlifted(
 ) -> Callable[..., Any]:
     module = program.module()
     if replace:
-        for node in module.graph.nodes:
-            if node.op == "call_function" and node.target in replace:
-                node.target = replace[node.target]
+        _retarget(module.graph, replace)
         module.recompile()
     return lambda *args: torch.utils._pytree.tree_flatten(module(*args))[0]
+
+
+def _retarget(graph: torch.fx.Graph, replace: Mapping[Any, Callable[..., Any]]) -> None:
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in replace:
+            node.target = replace[node.target]
 
 
 _VOLATILE_META = ("stack_trace", "from_node", "seq_nr")

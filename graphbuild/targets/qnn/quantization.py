@@ -39,7 +39,7 @@ from graphbuild.engine.codecs import roundtrip
 from graphbuild.engine.pipeline import Pipeline, StageRef
 from graphbuild.frontend.capture import as_args
 from graphbuild.frontend.devices import host_state, to_device
-from graphbuild.frontend.programs import ProgramArtifact, strip_state, with_state
+from graphbuild.frontend.programs import ProgramArtifact, lifted_runner, strip_state, with_state
 from graphbuild.quant.markers import MARKER_TARGET
 from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 
@@ -431,14 +431,11 @@ def reference(inputs: tuple, samples: Any, context: Any) -> dict:
         seen[qid] = y.detach().float().contiguous()
         return y
 
-    module = with_state(marker.program, state).module()
-    for node in module.graph.nodes:
-        if node.op == "call_function" and node.target is MARKER_TARGET:
-            node.target = fake_quantize
-    module.recompile()
+    run = lifted_runner(
+        with_state(marker.program, state), {MARKER_TARGET: fake_quantize}, keep=False
+    )
     with torch.no_grad():
-        outputs = module(*to_device(as_args(samples), "cpu"))
-    flat = torch.utils._pytree.tree_flatten(outputs)[0]
+        flat = run(*to_device(as_args(samples), "cpu"))
     out = outputs_dict(flat)
     out.update({f"{TENSOR_PREFIX}{qid}": v for qid, v in seen.items()})
     return out
