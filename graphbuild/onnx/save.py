@@ -56,6 +56,7 @@ __all__ = [
     "is_data_file",
     "materialize",
     "save_model",
+    "tensor_bytes",
     "write_model",
     "write_segments",
 ]
@@ -139,11 +140,15 @@ def write_model(
 def data_layout(bound: BoundModel, external_data: bool | str | None) -> bool | str:
     """``external_data`` resolved for ``bound``: ``False``, ``True`` or ``"per_tensor"``."""
     if external_data is None:
-        total = sum(a.nbytes for a in bound.tensors.values())
-        return PER_TENSOR if total > PER_TENSOR_THRESHOLD else False
+        return PER_TENSOR if tensor_bytes(bound) > PER_TENSOR_THRESHOLD else False
     if external_data is True or external_data is False or external_data == PER_TENSOR:
         return external_data
     raise ExportError(f"external_data must be true, false or {PER_TENSOR!r}, not {external_data!r}")
+
+
+def tensor_bytes(bound: BoundModel) -> int:
+    """The bytes of ``bound``'s tensors, all together: what decides a layout."""
+    return sum(a.nbytes for a in bound.tensors.values())
 
 
 def data_file_name(model_file: str, index: int | None = None) -> str:

@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from graphbuild.targets.qnn.onnx_view import source_of
 
-__all__ = ["TANH_16_ROWS", "HtpDefect", "defect_candidates", "defects_at", "find_htp_defects"]
+__all__ = ["TANH_16_ROWS", "HtpDefect", "defect_candidates", "defects_at"]
 
 
 @dataclass(frozen=True)
@@ -56,15 +56,10 @@ TANH_16_ROWS = HtpDefect(
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 
 
-def find_htp_defects(model: onnx.ModelProto, bits: Mapping[str, int]) -> list[dict[str, Any]]:
-    """The tensors of ``model`` (a lowered export, either format) in a known defect's
-    pattern. ``bits``: the bit-width of each tensor the export quantizes, by name."""
-    return defects_at(defect_candidates(model), bits)
-
-
 def defect_candidates(model: onnx.ModelProto) -> list[dict[str, Any]]:
-    """The tensors of ``model`` in a known defect's pattern whatever their bit-widths: the
-    graph's part of :func:`find_htp_defects`, which :func:`defects_at` completes."""
+    """The tensors of ``model`` (a lowered export, either format) in a known defect's
+    pattern whatever their bit-widths: the graph's part, which :func:`defects_at`
+    completes with the bit-widths the export gives them."""
     if not any(n.op_type == "Tanh" and n.domain == "" for n in model.graph.node):
         return []  # the one pattern needs a Tanh: no shapes to infer, no graph to build
     typed = _with_shapes(model)

@@ -61,12 +61,11 @@ def _write_model(model: Any, directory: Path, name: str = "model.onnx") -> Path:
     """``model`` (a BoundModel or a ModelProto) as a file QNN can read: inline, or above
     protobuf's limit with one ``.data`` file beside it."""
     from graphbuild.onnx.bind import BoundModel
-    from graphbuild.onnx.save import EXTERNAL_DATA_THRESHOLD, save_model
+    from graphbuild.onnx.save import EXTERNAL_DATA_THRESHOLD, save_model, tensor_bytes
 
     path = directory / name
     if isinstance(model, BoundModel):
-        total = sum(a.nbytes for a in model.tensors.values())
-        save_model(model, path, external_data=total > EXTERNAL_DATA_THRESHOLD)
+        save_model(model, path, external_data=tensor_bytes(model) > EXTERNAL_DATA_THRESHOLD)
     else:
         onnx.save(model, str(path))
     return path
