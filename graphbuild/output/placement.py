@@ -101,7 +101,9 @@ def allowed_name(name: Any, pipeline: Pipeline, placement: Placement) -> bool:
     if name == f"{model}.onnx" or is_data_file(name, f"{model}.onnx"):
         return True
     if pipeline.output_files is not None:
-        return name in pipeline.output_files
+        return name in pipeline.output_files or any(
+            is_data_file(name, f) for f in pipeline.output_files if f.endswith(".onnx")
+        )
     return name.startswith(model + ".") and len(name) > len(model) + 1
 
 
@@ -202,16 +204,16 @@ def _place(
                 continue
             items = value.items() if isinstance(value, Mapping) else [(sink, value)]
             for kind, item in items:
-                if isinstance(item, (FileArtifact, SegmentedFile)) and not allowed_name(
-                    item.name, pipeline, placement
-                ):
+                name = _model_file(kind, item) if isinstance(value, Mapping) else None
+                named = item.name if isinstance(item, (FileArtifact, SegmentedFile)) else name
+                if named is not None and not allowed_name(named, pipeline, placement):
                     raise ExportError(
-                        f"stage '{sink}' produced a file named {item.name[:200]!r}, which "
+                        f"stage '{sink}' produced a file named {named[:200]!r}, which "
                         f"is not one the pipeline declares ({_declared(pipeline, placement)}); "
                         "a file artifact's name must be a plain file name listed in "
                         "Pipeline.output_files"
                     )
-                for path, digest, ranges in _write(item, tmp, placement, previous):
+                for path, digest, ranges in _write(item, tmp, placement, previous, name):
                     kind_of = _kind(path.name, placement.model_name, kind)
                     written[kind_of] = path
                     digests[kind_of] = {"name": path.name, "xxh3_128": digest, "product": sink}
@@ -412,15 +414,24 @@ def _placeable(value: Any) -> bool:
     return isinstance(value, Mapping) and bool(value) and all(map(_placeable, value.values()))
 
 
+def _model_file(kind: str, item: Any) -> str | None:
+    """A model a product maps a file name to (``{"prompt_ar128_cl4096_2_of_3.onnx": model}``)
+    is placed under that name; a model alone, as ``<model_name>.onnx``."""
+    from graphbuild.onnx.bind import BoundModel
+
+    return kind if isinstance(item, BoundModel) and kind.endswith(".onnx") else None
+
+
 def _write(
-    item: Any, tmp: Path, placement: Placement, previous: list[Any]
+    item: Any, tmp: Path, placement: Placement, previous: list[Any], name: str | None = None
 ) -> list[tuple[Path, str, list[list[Any]]]]:
-    """Write one product's files into ``tmp``: (path, xxh3-128, tensor ranges) each."""
+    """Write one product's files into ``tmp``: (path, xxh3-128, tensor ranges) each; a
+    model under ``name`` when given."""
     from graphbuild.onnx.bind import BoundModel
     from graphbuild.onnx.save import SegmentedFile, write_model, write_segments
 
     if isinstance(item, BoundModel):
-        target = tmp / f"{placement.model_name}.onnx"
+        target = tmp / (name or f"{placement.model_name}.onnx")
         saved = write_model(item, target, external_data=placement.external_data, previous=previous)
     elif isinstance(item, SegmentedFile):
         saved = [write_segments(tmp / item.name, item.segments(), previous)]

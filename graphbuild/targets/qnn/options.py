@@ -11,7 +11,8 @@ from graphbuild.quant.range_methods import DEFAULT_RANGE_METHOD, needs_histogram
 from graphbuild.targets.base import BOOL, FLOAT, INT, STR, STRS, OptionType, check_calibration
 from graphbuild.targets.qnn.htp_targets import HtpTarget, parse_targets
 
-FORMATS = ("onnx", "onnx_qdq", "context")
+FORMATS = ("onnx", "onnx_qdq", "context", "llm")
+KV_BITS = (8, 16)
 ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
 DEFAULT_ENCODINGS_VERSION = "1.0.0"
 
@@ -81,6 +82,12 @@ class QnnOnnxOptions:
     range_percentile: float = 99.99
     range_averaging: float = 0.01
     layer_overrides: Mapping[str, str] | None = None
+    prompt_len: int = 128
+    context_len: int = 4096
+    parts: int | None = None
+    max_part_bytes: int | None = None
+    kv_bits: int = 8
+    calibration_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -97,6 +104,7 @@ class QnnOnnxOptions:
         if self.layer_overrides:
             _check_layer_overrides(self.layer_overrides, self.quantizer)
         self.htp_targets()  # a ConfigError now, not when a stage runs
+        _check_llm_geometry(self)
 
     def htp_targets(self) -> tuple[HtpTarget, ...]:
         """The HTP targets ``htp_arch`` and ``soc_model`` name (default: v81)."""
@@ -126,6 +134,34 @@ class QnnOnnxOptions:
         ctx["statistics"] = "histogram" if needs_histograms(ctx["range"]) else "minmax"
         ctx["quantizer_placement"] = _placement(self.quantizer)
         return ctx
+
+
+def _check_llm_geometry(opts: QnnOnnxOptions) -> None:
+    """The ``llm`` format's shapes: N prompt tokens in a context of CL positions."""
+    for key in ("prompt_len", "context_len", "calibration_steps"):
+        value = getattr(opts, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{key} must be a positive integer, not {value!r}")
+    if opts.prompt_len >= opts.context_len:
+        raise ConfigError(
+            f"prompt_len ({opts.prompt_len}) must be less than context_len "
+            f"({opts.context_len}): the prompt graph reads the past from the other "
+            f"{opts.context_len} - prompt_len slots"
+        )
+    if opts.context_len < 2 * opts.prompt_len:
+        raise ConfigError(
+            f"context_len ({opts.context_len}) must be at least twice prompt_len "
+            f"({opts.prompt_len}): onnxruntime-genai's sliding-window KV cache needs a full "
+            "window of past slots"
+        )
+    if opts.kv_bits not in KV_BITS:
+        raise ConfigError(f"kv_bits must be 8 or 16, not {opts.kv_bits!r}")
+    for key in ("parts", "max_part_bytes"):
+        value = getattr(opts, key)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise ConfigError(f"{key} must be a positive integer, not {value!r}")
 
 
 def _placement(quantizer: Any) -> Any:
@@ -212,6 +248,12 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "range_method": STR,
     "range_percentile": FLOAT,
     "range_averaging": FLOAT,
+    "prompt_len": INT,
+    "context_len": INT,
+    "parts": INT,
+    "max_part_bytes": INT,
+    "kv_bits": INT,
+    "calibration_steps": INT,
     "layer_overrides": OptionType(
         "a table of module pattern = setting ('float', 'w4', 'a8', 'w4a16', ...)",
         lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),

@@ -379,6 +379,10 @@ def build_qnn_pipeline(
             f"unknown format '{fmt}' for target qnn; known: {', '.join(FORMATS)} "
             "(a custom format passes fmt= to build_qnn_pipeline)"
         )
+    if fmt == "llm":
+        from graphbuild.targets.qnn.llm.pipeline import build_llm_pipeline
+
+        return build_llm_pipeline(request)
     opts = coerce_options(QnnOnnxOptions, request.options, request.target)
     p = Pipeline(name=f"{request.target}/{request.format}")
     cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))

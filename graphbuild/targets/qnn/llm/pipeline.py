@@ -1,0 +1,120 @@
+"""The ``qnn/llm`` pipeline: a causal LM as prompt and token graphs, split into parts.
+
+::
+
+    llm_plan ----------------------------+---------------------------------+
+      |                                  |                                 |
+      +-> llm_generation (digest only) -> p<i>.<kind>.batches              |
+      |          +-----------------------> p<i>.kv                         |
+      +-> p<i>.state                                                       |
+                                                                           v
+    p<i>.<kind>.capture -> ... -> p<i>.<kind>.bind -> p<i>.<kind>.graph (KV as integers)
+
+Every part graph is the QNN target's ``onnx_qdq`` build of the part's module (:mod:`.include`),
+so the presets, range methods and the HTP's fully quantized QDQ forms are those of the other
+formats. Each part is independent: a weight change in one layer reruns the value stages of the
+part that holds it (and, with a preset, the calibration of the parts after it, whose inputs
+changed); a retune reruns values only; ``prompt_len`` / ``context_len`` change the shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import Any
+
+from graphbuild.engine.pipeline import Pipeline
+from graphbuild.targets.base import Request, coerce_options
+from graphbuild.targets.qnn.llm import stages
+from graphbuild.targets.qnn.llm.adapters import find_causal_lm
+from graphbuild.targets.qnn.llm.include import include_part
+from graphbuild.targets.qnn.llm.plan import KINDS, make_plan
+from graphbuild.targets.qnn.options import QnnOnnxOptions
+
+
+def build_llm_pipeline(request: Request) -> Pipeline:
+    """The pipeline of an ``llm`` export. The part count decides which stages exist, so the
+    plan is made here, from the request's model (which also refuses a model or options the
+    format cannot take before any stage runs); ``llm_plan`` makes it again as a keyed stage."""
+    from graphbuild.targets.qnn.pipeline import build_qnn_pipeline
+
+    opts = coerce_options(QnnOnnxOptions, request.options, request.target)
+    model = getattr(request, "model", None)
+    specs = make_plan(
+        find_causal_lm(model),
+        prompt_len=opts.prompt_len,
+        context_len=opts.context_len,
+        parts=opts.parts,
+        max_part_bytes=opts.max_part_bytes,
+        quantizer=opts.quantizer,
+    ).specs
+    p = Pipeline(name=f"{request.target}/llm")
+    plan = p.register_stage(
+        stages.llm_plan,
+        "llm_plan",
+        reads=(
+            "input.structure",
+            "ctx.prompt_len",
+            "ctx.context_len",
+            "ctx.parts",
+            "ctx.max_part_bytes",
+            "ctx.quantizer",
+            "registry.llm_adapters",
+        ),
+    )
+    generation = p.register_stage(
+        stages.llm_generation,
+        "llm_generation",
+        reads=(
+            "input.state",
+            "input.structure",
+            "ctx.calibration",
+            "ctx.calibration_steps",
+            "samples.values",
+        ),
+        rematerialize=True,
+    ).depends_on(plan)
+    sub_opts = replace(
+        opts, check_numerics=False, check_htp=False, input_names=None, output_names=None
+    )
+    sub_request = _SubRequest(request.target, "onnx_qdq", request.model_name, sub_opts)
+    products = []
+    for index in range(1, len(specs) + 1):
+        state = p.register_stage(
+            functools.partial(stages.part_state, index), f"p{index}.state", reads=("input.state",)
+        ).depends_on(plan)
+        kv = p.register_stage(
+            functools.partial(stages.part_kv, index), f"p{index}.kv", reads=("ctx.kv_bits",)
+        ).depends_on(generation, plan)
+        for kind in KINDS:
+            batches = p.register_stage(
+                functools.partial(stages.part_batches, index, kind),
+                f"p{index}.{kind}.batches",
+                reads=(),
+                rematerialize=True,
+            ).depends_on(generation)
+            sub = build_qnn_pipeline(sub_request, "onnx_qdq")
+            names = include_part(p, sub, index, kind, plan, state, batches)
+            graph = p.register_stage(
+                functools.partial(stages.kv_graph, index, kind),
+                f"p{index}.{kind}.graph",
+                reads=("ctx.kv_bits",),
+            ).depends_on(names["bind"], kv, plan)
+            products.append(graph.name)
+    p.products = products
+    p.output_files = frozenset(
+        f"{spec.graph_name(kind, opts.prompt_len if kind == 'prompt' else 1, opts.context_len)}.onnx"
+        for spec in specs
+        for kind in KINDS
+    )
+    return p
+
+
+class _SubRequest:
+    """The request a part graph's ``onnx_qdq`` pipeline is built from."""
+
+    def __init__(self, target: str, fmt: str, model_name: str, options: Any) -> None:
+        self.target = target
+        self.format = fmt
+        self.model_name = model_name
+        self.options = options

@@ -1,0 +1,119 @@
+"""The LLM export's own stages: the plan, generation-time statistics, per-part views of them,
+and the KV boundary of each part graph.
+
+Structure: ``llm_plan`` (the parts and the model's facts). Statistics: ``llm_generation`` runs
+the calibration prompts as a runtime would (prompt, then tokens) and records what each part
+received and the range of every KV tensor; it is large and cheap to redo relative to storing
+it, so the cache keeps its digest only. Values: ``p<i>.kv`` (the part's KV encodings),
+``p<i>.<kind>.batches`` (its calibration batches), ``p<i>.state`` (digests of its weights, which
+the part graph's value stages key on instead of the whole model's state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphbuild.engine.fingerprint import state_digests
+from graphbuild.errors import ConfigError
+from graphbuild.targets.qnn.llm.adapters import find_causal_lm
+from graphbuild.targets.qnn.llm.kv_io import kv_encoding, quantize_kv_io
+from graphbuild.targets.qnn.llm.plan import KINDS, LlmPlan, make_plan
+from graphbuild.targets.qnn.llm.runner import PartRunner
+
+
+def llm_plan(model: Any, samples: Any, context: Any) -> dict[str, Any]:
+    """The parts of the export (see :func:`~.plan.make_plan`)."""
+    lm = find_causal_lm(model)
+    plan = make_plan(
+        lm,
+        prompt_len=context["prompt_len"],
+        context_len=context["context_len"],
+        parts=context["parts"],
+        max_part_bytes=context["max_part_bytes"],
+        quantizer=context["quantizer"],
+    )
+    return plan.to_json()
+
+
+def token_prompts(calibration: Any, samples: Any) -> list[list[int]]:
+    """The calibration prompts as token id lists: each batch a tensor of token ids [1, P]
+    (or a tuple holding one); without calibration, the sample prompt."""
+    batches = list(calibration) if calibration else [samples]
+    prompts = []
+    for i, batch in enumerate(batches):
+        ids = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 1 else batch
+        if (
+            not isinstance(ids, torch.Tensor)
+            or ids.is_floating_point()
+            or ids.dim() != 2
+            or ids.shape[0] != 1
+            or ids.shape[1] == 0
+        ):
+            what = "the sample inputs" if not calibration else f"calibration batch {i}"
+            got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ConfigError(
+                f"{what} must be token ids, an integer tensor of shape [1, P] (or a tuple "
+                f"holding one), for the llm format: got {got}"
+            )
+        prompts.append([int(t) for t in ids[0]])
+    return prompts
+
+
+def llm_generation(inputs: tuple, samples: Any, context: Any) -> dict[str, Any]:
+    """Greedy generation of ``calibration_steps`` tokens after each calibration prompt,
+    recording every part's inputs (per graph kind) and the largest |value| of each KV tensor."""
+    (plan_json,) = inputs
+    plan = LlmPlan.from_json(plan_json)
+    lm = find_causal_lm(context.input)
+    batches: dict[str, list[tuple[torch.Tensor, ...]]] = {
+        f"{s.index}.{k}": [] for s in plan.specs for k in KINDS
+    }
+
+    def record(spec: Any, kind: str, part_inputs: tuple[torch.Tensor, ...]) -> None:
+        batches[f"{spec.index}.{kind}"].append(tuple(t.clone() for t in part_inputs))
+
+    runner = PartRunner(lm, plan.specs, plan.prompt_len, plan.context_len, recorder=record)
+    kv: dict[str, float] = {}
+    for prompt in token_prompts(context["calibration"], samples):
+        runner.generate(prompt, context["calibration_steps"])
+        for name, tensor in runner.cache.items():
+            kv[name] = max(kv.get(name, 0.0), float(tensor.abs().max()))
+    return {"batches": batches, "kv": dict(sorted(kv.items()))}
+
+
+def part_batches(index: int, kind: str, inputs: tuple, samples: Any, context: Any) -> list:
+    """What part ``index``'s ``kind`` graph received during calibration."""
+    (recording,) = inputs
+    return recording["batches"][f"{index}.{kind}"]
+
+
+def part_kv(index: int, inputs: tuple, samples: Any, context: Any) -> dict[str, list]:
+    """The KV encodings of part ``index``'s layers: (scale, zero point) per tensor."""
+    recording, plan_json = inputs
+    spec = LlmPlan.from_json(plan_json).spec(index)
+    bits = context["kv_bits"]
+    out = {}
+    for layer in spec.layers:
+        for kind in ("key", "value"):
+            name = f"past_{kind}_{layer}"
+            out[name] = list(kv_encoding(recording["kv"].get(name, 0.0), bits))
+    return out
+
+
+def part_state(index: int, inputs: tuple, samples: Any, context: Any) -> dict[str, str]:
+    """Digests of part ``index``'s own weights: what its graph's value stages key on."""
+    (plan_json,) = inputs
+    plan = LlmPlan.from_json(plan_json)
+    module = plan.part_module(find_causal_lm(context.input), index)
+    return dict(sorted(state_digests(module).tensors.items()))
+
+
+def kv_graph(index: int, kind: str, inputs: tuple, samples: Any, context: Any) -> dict:
+    """The part graph with its KV cache as integers (:mod:`.kv_io`), under its file name."""
+    bound, encodings, plan_json = inputs
+    plan = LlmPlan.from_json(plan_json)
+    if plan.spec(index).layers:
+        bound = quantize_kv_io(bound, encodings, context["kv_bits"])
+    return {f"{plan.graph_name(index, kind)}.onnx": bound}
