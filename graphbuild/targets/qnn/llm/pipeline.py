@@ -93,13 +93,16 @@ def build_llm_pipeline(request: Request) -> Pipeline:
                 reads=(),
                 rematerialize=True,
             ).depends_on(generation)
+            view = p.register_stage(
+                functools.partial(stages.graph_plan, index, kind), f"p{index}.{kind}.plan", reads=()
+            ).depends_on(plan)
             sub = build_qnn_pipeline(sub_request, "onnx_qdq")
-            names = include_part(p, sub, index, kind, plan, state, batches)
+            names = include_part(p, sub, index, kind, view, state, batches)
             graph = p.register_stage(
                 functools.partial(stages.kv_graph, index, kind),
                 f"p{index}.{kind}.graph",
                 reads=("ctx.kv_bits",),
-            ).depends_on(names["bind"], kv, plan)
+            ).depends_on(names["bind"], kv, view)
             products.append(graph.name)
     p.products = products
     p.output_files = frozenset(

@@ -77,7 +77,17 @@ class LlmPlan:
     context_len: int
 
     def spec(self, index: int) -> PartSpec:
-        return self.specs[index - 1]
+        return next(s for s in self.specs if s.index == index)
+
+    def for_graph(self, index: int, kind: str) -> LlmPlan:
+        """What one part graph depends on: its part alone, and the prompt length only for a
+        prompt graph (a token graph's shapes do not depend on it)."""
+        return LlmPlan(
+            self.facts,
+            (self.spec(index),),
+            self.prompt_len if kind == "prompt" else 0,
+            self.context_len,
+        )
 
     def seq_len(self, kind: str) -> int:
         return self.prompt_len if kind == "prompt" else 1

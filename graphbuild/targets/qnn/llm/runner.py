@@ -127,6 +127,26 @@ class PartRunner:
             position += 1
         return out
 
+    @torch.no_grad()
+    def replay(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
+        """Run ``prompt`` through the prompt graphs, then each token of ``continuation`` through
+        the token graphs, as generation would had it chosen them (teacher forcing): what each
+        layer receives then depends on the tokens and the layers before it alone."""
+        if not prompt:
+            raise ValueError("a prompt of at least one token")
+        cache: dict[str, torch.Tensor] = {}
+        self.cache = cache
+        position = 0
+        for i in range(0, len(prompt), self.prompt_len):
+            chunk = list(prompt[i : i + self.prompt_len])
+            self._step("prompt", chunk, position, cache)
+            position += len(chunk)
+        for token in continuation:
+            if position >= self.context_len:
+                break
+            self._step("token", [int(token)], position, cache)
+            position += 1
+
     def _step(
         self, kind: str, tokens: list[int], position: int, cache: dict[str, torch.Tensor]
     ) -> torch.Tensor:

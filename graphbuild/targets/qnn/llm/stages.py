@@ -62,8 +62,11 @@ def token_prompts(calibration: Any, samples: Any) -> list[list[int]]:
 
 
 def llm_generation(inputs: tuple, samples: Any, context: Any) -> dict[str, Any]:
-    """Greedy generation of ``calibration_steps`` tokens after each calibration prompt,
-    recording every part's inputs (per graph kind) and the largest |value| of each KV tensor."""
+    """Each calibration sequence run as a runtime runs it: all but its last
+    ``calibration_steps`` tokens through the prompt graphs, then those one at a time through
+    the token graphs (teacher forcing, so a layer's statistics depend on the tokens and the
+    layers before it alone). Records every part's inputs per graph kind, and the largest
+    |value| of each KV tensor."""
     (plan_json,) = inputs
     plan = LlmPlan.from_json(plan_json)
     lm = find_causal_lm(context.input)
@@ -76,11 +79,19 @@ def llm_generation(inputs: tuple, samples: Any, context: Any) -> dict[str, Any]:
 
     runner = PartRunner(lm, plan.specs, plan.prompt_len, plan.context_len, recorder=record)
     kv: dict[str, float] = {}
-    for prompt in token_prompts(context["calibration"], samples):
-        runner.generate(prompt, context["calibration_steps"])
+    steps = context["calibration_steps"]
+    for sequence in token_prompts(context["calibration"], samples):
+        split = max(1, len(sequence) - steps)
+        runner.replay(sequence[:split], sequence[split:])
         for name, tensor in runner.cache.items():
             kv[name] = max(kv.get(name, 0.0), float(tensor.abs().max()))
     return {"batches": batches, "kv": dict(sorted(kv.items()))}
+
+
+def graph_plan(index: int, kind: str, inputs: tuple, samples: Any, context: Any) -> dict:
+    """The plan as part ``index``'s ``kind`` graph sees it (:meth:`~.plan.LlmPlan.for_graph`)."""
+    (plan_json,) = inputs
+    return LlmPlan.from_json(plan_json).for_graph(index, kind).to_json()
 
 
 def part_batches(index: int, kind: str, inputs: tuple, samples: Any, context: Any) -> list:
