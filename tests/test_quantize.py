@@ -300,8 +300,8 @@ def test_attention_key_is_symmetric_16_bit_with_16_bit_activations(quantized: di
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_softmax_input_step_is_at_least_the_htps_minimum(quantized: dict, preset: str) -> None:
-    """The HTP's Softmax computes garbage from a finer input grid (htp.py)."""
-    from graphbuild.targets.qnn.htp import SOFTMAX_MIN_INPUT_SCALE
+    """The HTP's Softmax computes garbage from a finer input grid (rules/plan.py)."""
+    from graphbuild.targets.qnn.rules.plan import SOFTMAX_MIN_INPUT_SCALE
 
     softmaxes = [n for n in _calls(quantized["decoder", preset]) if n.target in SOFTMAX]
     for node in softmaxes:

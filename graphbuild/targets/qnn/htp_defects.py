@@ -25,7 +25,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from graphbuild.targets.qnn.onnx_view import source_of
+from graphbuild.targets.qnn.rules.onnx_view import source_of
 
 __all__ = ["TANH_16_ROWS", "HtpDefect", "defect_candidates", "defects_at"]
 

@@ -1,7 +1,7 @@
 """QNN presets for torchao PT2E: quantize what QNN HTP runs quantized, as AIMET would.
 
 ``QnnQuantizer("w8a16")`` annotates an aten graph (``torch.export.export(...).module()``) so
-that after calibration every tensor the HTP rules (:mod:`graphbuild.targets.qnn.htp`, AIMET's
+that after calibration every tensor the HTP rules (:mod:`graphbuild.targets.qnn.rules.plan`, AIMET's
 ``htp_v81`` semantics) quantize carries exactly one quantizer, on the tensor rather than on
 an edge: all readers read the quantized value. Before annotating, the graph is rewritten so
 each such tensor exists in aten (:mod:`graphbuild.targets.qnn.rewrite`). Weights are
@@ -34,8 +34,6 @@ from torchao.quantization.pt2e.quantizer import (
 
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.frontend.quantize import register_preset, resolve_attr
-from graphbuild.targets.qnn.aten_view import AtenView, aten_view
-from graphbuild.targets.qnn.htp import Plan, TensorRule, plan
 from graphbuild.targets.qnn.lpbq_weights import SCALE_BITS, lpbq_spec, takes_lpbq
 from graphbuild.targets.qnn.observers import quantization_spec
 from graphbuild.targets.qnn.overrides import (
@@ -44,6 +42,8 @@ from graphbuild.targets.qnn.overrides import (
     tensor_modules,
 )
 from graphbuild.targets.qnn.rewrite import rewrite_for_htp
+from graphbuild.targets.qnn.rules.aten_view import AtenView, aten_view
+from graphbuild.targets.qnn.rules.plan import Plan, TensorRule, plan
 
 __all__ = [
     "PRESETS",

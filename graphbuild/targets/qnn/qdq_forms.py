@@ -61,7 +61,7 @@ from graphbuild.onnx.naming import Namer
 from graphbuild.onnx.passes import FLOAT_TYPES
 from graphbuild.onnx.skeleton import STATE_LOCATION
 from graphbuild.quant.quantmap import QuantMap
-from graphbuild.targets.qnn.htp_config import GRID_PRESERVING
+from graphbuild.targets.qnn.rules.config import GRID_PRESERVING
 
 __all__ = ["MOVEMENT_OPS", "apply_htp_forms"]
 

@@ -1,6 +1,6 @@
 """Value-independent rewrites of an aten graph before the QNN preset annotates it.
 
-The HTP rules (:mod:`graphbuild.targets.qnn.htp`) decide per ONNX tensor. For the preset to
+The HTP rules (:mod:`graphbuild.targets.qnn.rules.plan`) decide per ONNX tensor. For the preset to
 put a quantizer on every tensor QNN quantizes, each tensor of the exported ONNX model must exist
 in the aten graph too. These rewrites make that so:
 
