@@ -34,7 +34,7 @@ from graphbuild.engine.fingerprint import register_registry
 from graphbuild.engine.pipeline import Pipeline, StageRef
 from graphbuild.errors import CoverageError, ExportError
 from graphbuild.frontend.capture import as_args
-from graphbuild.targets.qnn.htp_targets import HtpTarget
+from graphbuild.targets.qnn.arch.targets import HtpTarget
 
 __all__ = ["HTP_BACKEND", "add_htp_stages", "context_file_names"]
 

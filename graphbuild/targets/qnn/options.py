@@ -9,7 +9,7 @@ from typing import Any
 from graphbuild.errors import ConfigError
 from graphbuild.quant.range_methods import DEFAULT_RANGE_METHOD, needs_histograms, range_config
 from graphbuild.targets.base import BOOL, FLOAT, INT, STR, STRS, OptionType, check_calibration
-from graphbuild.targets.qnn.htp_targets import HtpTarget, parse_targets
+from graphbuild.targets.qnn.arch.targets import HtpTarget, parse_targets
 
 FORMATS = ("onnx", "onnx_qdq", "context")
 ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")

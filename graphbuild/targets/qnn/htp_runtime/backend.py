@@ -11,10 +11,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from graphbuild.targets.qnn.arch.targets import SOC_MODELS, HtpTarget
 from graphbuild.targets.qnn.htp_runtime.capture import captured_output
 from graphbuild.targets.qnn.htp_runtime.errors import HtpUnavailableError
 from graphbuild.targets.qnn.htp_runtime.partition import QNN_EP
-from graphbuild.targets.qnn.htp_targets import SOC_MODELS, HtpTarget
 
 __all__ = [
     "INSTALL",
