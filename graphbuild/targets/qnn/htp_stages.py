@@ -108,7 +108,7 @@ def qdq_from_encodings(inputs: tuple, samples: Any, context: Any) -> onnx.ModelP
     in the forms the HTP runs fully quantized (what the HTP check compiles)."""
     from graphbuild.onnx.save import materialize
     from graphbuild.targets.qnn.encodings.qdq import insert_qdq
-    from graphbuild.targets.qnn.qdq_forms import apply_htp_forms
+    from graphbuild.targets.qnn.rewrites.qdq_forms import apply_htp_forms
 
     bound, enc_file = inputs
     return apply_htp_forms(

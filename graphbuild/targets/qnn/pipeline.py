@@ -175,7 +175,7 @@ def lower_onnx(inputs: tuple, samples: Any, context: Any) -> tuple:
 def lower_qdq(inputs: tuple, samples: Any, context: Any) -> tuple:
     """Q/DQ in place of the markers, in the forms the HTP runs fully quantized."""
     from graphbuild.onnx.lower import lower_markers
-    from graphbuild.targets.qnn.qdq_forms import apply_htp_forms
+    from graphbuild.targets.qnn.rewrites.qdq_forms import apply_htp_forms
 
     skeleton, (qmap, _) = inputs
     quant_map = QuantMap.from_json(qmap)

@@ -4,7 +4,7 @@
 that after calibration every tensor the HTP rules (:mod:`graphbuild.targets.qnn.rules.plan`, AIMET's
 ``htp_v81`` semantics) quantize carries exactly one quantizer, on the tensor rather than on
 an edge: all readers read the quantized value. Before annotating, the graph is rewritten so
-each such tensor exists in aten (:mod:`graphbuild.targets.qnn.rewrite`). Weights are
+each such tensor exists in aten (:mod:`graphbuild.targets.qnn.rewrites.aten`). Weights are
 symmetric on the full signed grid (per output channel for Conv, ConvTranspose, Gemm and MatMul
 weights), activations asymmetric on the unsigned grid, with AIMET's exceptions (symmetric
 second input of an activation MatMul, fixed Softmax/Sigmoid/Tanh ranges, 8-bit asymmetric
@@ -41,7 +41,7 @@ from graphbuild.targets.qnn.overrides import (
     parse_layer_overrides,
     tensor_modules,
 )
-from graphbuild.targets.qnn.rewrite import rewrite_for_htp
+from graphbuild.targets.qnn.rewrites.aten import rewrite_for_htp
 from graphbuild.targets.qnn.rules.aten_view import AtenView, aten_view
 from graphbuild.targets.qnn.rules.plan import Plan, TensorRule, plan
 
