@@ -20,7 +20,7 @@ from torchao.quantization.pt2e.quantizer import (
 import graphbuild as gb
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.frontend.quantize import quantize, quantize_program
-from graphbuild.targets.qnn.preset import PRESETS, QnnQuantizer
+from graphbuild.targets.qnn.presets.quantizer import PRESETS, QnnQuantizer
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed
@@ -312,7 +312,7 @@ def test_a_softmax_input_step_is_at_least_the_htps_minimum(quantized: dict, pres
 
 
 def test_a_narrow_range_widens_about_its_middle_to_the_minimum_step() -> None:
-    from graphbuild.targets.qnn.observers import quantization_spec
+    from graphbuild.targets.qnn.presets.observers import quantization_spec
 
     def observer():  # as PT2E builds it from the spec
         spec = quantization_spec(16, symmetric=False, min_scale=2.0**-17)

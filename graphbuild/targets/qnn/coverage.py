@@ -31,7 +31,7 @@ import torch
 from graphbuild.errors import CoverageError
 from graphbuild.quant.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.htp_defects import defect_candidates, defects_at
-from graphbuild.targets.qnn.overrides import (
+from graphbuild.targets.qnn.presets.overrides import (
     apply_layer_overrides,
     onnx_tensor_modules,
     parse_layer_overrides,

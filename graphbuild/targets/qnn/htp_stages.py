@@ -230,7 +230,7 @@ def coverage_on_htp(inputs: tuple, samples: Any, context: Any) -> dict[str, Any]
     took. ``strict_coverage`` fails when QNN refused the model, put a node on the CPU or
     (with a preset) received an op in float."""
     from graphbuild.targets.qnn.coverage import check_coverage
-    from graphbuild.targets.qnn.preset import is_preset_quantizer
+    from graphbuild.targets.qnn.presets.quantizer import is_preset_quantizer
 
     report, htp = inputs
     preset = is_preset_quantizer(context["quantizer"])

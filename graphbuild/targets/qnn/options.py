@@ -58,7 +58,7 @@ class QnnOnnxOptions:
     TF-enhanced). Weights always take their min/max.
 
     ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``, ``"a8"``, ``"w4a16"``...)
-    changes what a preset does in the matched modules (:mod:`graphbuild.targets.qnn.overrides`).
+    changes what a preset does in the matched modules (:mod:`graphbuild.targets.qnn.presets.overrides`).
     """
 
     opset: int = 21
@@ -144,7 +144,7 @@ def presets_placed_as(placement: str) -> tuple[str, ...]:
 
 def _check_layer_overrides(overrides: Mapping[str, str], quantizer: Any) -> None:
     """Each entry must parse, and overrides apply to a QNN preset only."""
-    from graphbuild.targets.qnn.overrides import parse_layer_overrides
+    from graphbuild.targets.qnn.presets.overrides import parse_layer_overrides
 
     parse_layer_overrides(overrides)
     preset = quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
@@ -169,8 +169,8 @@ def _check_names(key: str, names: Sequence[str] | None) -> None:
         raise ConfigError(f"{key}: {', '.join(repeated)} given more than once")
 
 
-#: The quantizer presets ``preset.py`` registers, named here so that reading a config needs
-#: no torchao import (tests/test_targets.py checks the two agree).
+#: The quantizer presets ``presets/quantizer.py`` registers, named here so that reading a
+#: config needs no torchao import (tests/test_targets.py checks the two agree).
 PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16", "w4a16_lpbq")
 #: ``ctx.quantizer_placement`` of each preset: presets quantizing the same tensors share one
 #: placement, and switching between them recomputes values only. A preset whose rules came

@@ -41,8 +41,8 @@ def quantize(inputs: tuple, samples: Any, context: Any) -> ProgramArtifact:
     """PT2E calibration. A tensor whose calibration saw non-finite values stays float; the
     program's notes say which (the coverage report names them)."""
     from graphbuild.frontend.quantize import quantize as quantize_pt2e
-    from graphbuild.targets.qnn.lpbq_weights import NOTE as LPBQ_NOTE
-    from graphbuild.targets.qnn.preset import (  # registers the presets too
+    from graphbuild.targets.qnn.presets.lpbq_weights import NOTE as LPBQ_NOTE
+    from graphbuild.targets.qnn.presets.quantizer import (  # registers the presets too
         is_preset_quantizer,
         lpbq_block_scale_bits,
         with_layer_overrides,
@@ -91,7 +91,7 @@ def normalize_quantized(inputs: tuple, samples: Any, context: Any) -> tuple:
     it."""
     from graphbuild.frontend.normalize import normalize_program
     from graphbuild.quant.lpbq import as_lpbq
-    from graphbuild.targets.qnn.lpbq_weights import NOTE as LPBQ_NOTE
+    from graphbuild.targets.qnn.presets.lpbq_weights import NOTE as LPBQ_NOTE
 
     (program,) = inputs
     marker, qmap = normalize_program(program.program)
@@ -273,7 +273,7 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
     import warnings
 
     from graphbuild.targets.qnn.coverage import check_coverage, coverage_report
-    from graphbuild.targets.qnn.preset import is_preset_quantizer, preset_bits
+    from graphbuild.targets.qnn.presets.quantizer import is_preset_quantizer, preset_bits
 
     (lowered, names), structure, (qmap, _), qvalues = inputs
     quantizer = context["quantizer"]
@@ -497,7 +497,7 @@ def _splits(quantizer: Any) -> bool:
 
     if isinstance(quantizer, str):
         return quantizer in PRESET_PLACEMENTS and quantizer not in preset_entries()
-    preset = sys.modules.get("graphbuild.targets.qnn.preset")
+    preset = sys.modules.get("graphbuild.targets.qnn.presets.quantizer")
     return (
         preset is not None
         and type(quantizer) is preset.QnnQuantizer

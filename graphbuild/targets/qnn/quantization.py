@@ -87,7 +87,7 @@ def _describer(presets: tuple[str, ...]) -> Any:
 
 
 def _describe(quantizer: Any, prepared: Any, presets: tuple[str, ...]) -> dict[str, Any]:
-    from graphbuild.targets.qnn.preset import observer_rules
+    from graphbuild.targets.qnn.presets.quantizer import observer_rules
 
     return {
         module: {
@@ -109,7 +109,7 @@ def place_quantizers(inputs: tuple, samples: Any, context: Any) -> tuple:
     placed on the captured program (one trace), with each preset's rules per observer."""
     from graphbuild.frontend.placement import place_quantizers as place
     from graphbuild.targets.qnn.options import presets_placed_as
-    from graphbuild.targets.qnn.preset import QnnQuantizer
+    from graphbuild.targets.qnn.presets.quantizer import QnnQuantizer
 
     (captured,) = inputs
     presets = presets_placed_as(context["quantizer_placement"])
@@ -140,7 +140,7 @@ def fold_source(inputs: tuple, samples: Any, context: Any) -> Any:
 def fold_weights(inputs: tuple, samples: Any, context: Any) -> dict:
     """Values: the state tensors the BatchNorm fold rewrites, from the real weights."""
     from graphbuild.frontend.placement import fold_weights as fold
-    from graphbuild.targets.qnn.preset import QnnQuantizer
+    from graphbuild.targets.qnn.presets.quantizer import QnnQuantizer
 
     program, (layout, _) = inputs
     if program is None:
@@ -217,7 +217,7 @@ def _rule(layout: Mapping[str, Any], group: int, preset: str) -> dict[str, Any]:
 
 
 def _spec_of(rule: Mapping[str, Any], axis: int | None) -> Any:
-    from graphbuild.targets.qnn.observers import quantization_spec
+    from graphbuild.targets.qnn.presets.observers import quantization_spec
 
     fixed = tuple(rule["fixed"]) if rule["fixed"] is not None else None
     axis = axis if rule["per_channel"] else None
@@ -444,7 +444,7 @@ def reference(inputs: tuple, samples: Any, context: Any) -> dict:
 def _quantize_dequantize(x: torch.Tensor, spec: QuantSpec, value: QParams) -> torch.Tensor:
     """``quantized_decomposed`` quantize then dequantize, with the arguments convert_pt2e
     gives them (per tensor: Python numbers)."""
-    from graphbuild.targets.qnn.observers import _SIGNED, _UNSIGNED
+    from graphbuild.targets.qnn.presets.observers import _SIGNED, _UNSIGNED
 
     qd = torch.ops.quantized_decomposed
     dtype = (_SIGNED if spec.signed else _UNSIGNED)[spec.bits]

@@ -11,7 +11,7 @@ second input of an activation MatMul, fixed Softmax/Sigmoid/Tanh ranges, 8-bit a
 LayerNorm weights, tied Concat/Relu/AveragePool encodings).
 
 ``w4a16_lpbq`` is ``w4a16`` with a linear layer's weight in LPBQ blocks of 64 input channels
-(:mod:`graphbuild.targets.qnn.lpbq_weights`): int4 values, 4-bit integer block scales under a
+(:mod:`graphbuild.targets.qnn.presets.lpbq_weights`): int4 values, 4-bit integer block scales under a
 float scale per output channel, as AIMET's ``set_lpbq_for_params`` and QNN's HTP run LLM
 weights; a weight whose input channels do not divide into blocks stays per channel.
 """
@@ -34,9 +34,9 @@ from torchao.quantization.pt2e.quantizer import (
 
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.frontend.quantize import register_preset, resolve_attr
-from graphbuild.targets.qnn.lpbq_weights import SCALE_BITS, lpbq_spec, takes_lpbq
-from graphbuild.targets.qnn.observers import quantization_spec
-from graphbuild.targets.qnn.overrides import (
+from graphbuild.targets.qnn.presets.lpbq_weights import SCALE_BITS, lpbq_spec, takes_lpbq
+from graphbuild.targets.qnn.presets.observers import quantization_spec
+from graphbuild.targets.qnn.presets.overrides import (
     apply_layer_overrides,
     parse_layer_overrides,
     tensor_modules,
@@ -106,7 +106,7 @@ class QnnQuantizer(Quantizer):
     """torchao PT2E quantizer with QNN presets: ``w8a8``, ``w8a16``, ``w4a16``, ``w4a16_lpbq``.
 
     ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``, ``"a8"``, ...: see
-    :mod:`~graphbuild.targets.qnn.overrides`) is a hook applied after the HTP rules: it
+    :mod:`~graphbuild.targets.qnn.presets.overrides`) is a hook applied after the HTP rules: it
     changes the bits of, or removes, the quantizers the rules placed in the matched modules
     (the coverage report applies the same hook to the rules it expects)."""
 
