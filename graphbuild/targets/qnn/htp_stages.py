@@ -229,8 +229,8 @@ def coverage_on_htp(inputs: tuple, samples: Any, context: Any) -> dict[str, Any]
     """The coverage report as QNN sees it: graphbuild's HTP rules, then what the HTP backend
     took. ``strict_coverage`` fails when QNN refused the model, put a node on the CPU or
     (with a preset) received an op in float."""
-    from graphbuild.targets.qnn.coverage import check_coverage
     from graphbuild.targets.qnn.presets.quantizer import is_preset_quantizer
+    from graphbuild.targets.qnn.reports.coverage import check_coverage
 
     report, htp = inputs
     preset = is_preset_quantizer(context["quantizer"])

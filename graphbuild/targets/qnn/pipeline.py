@@ -272,8 +272,8 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
     ``strict_coverage`` any is an error."""
     import warnings
 
-    from graphbuild.targets.qnn.coverage import check_coverage, coverage_report
     from graphbuild.targets.qnn.presets.quantizer import is_preset_quantizer, preset_bits
+    from graphbuild.targets.qnn.reports.coverage import check_coverage, coverage_report
 
     (lowered, names), structure, (qmap, _), qvalues = inputs
     quantizer = context["quantizer"]
@@ -311,7 +311,7 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
 def htp_view(inputs: tuple, samples: Any, context: Any) -> dict:
     """Structure: the lowered graph as the HTP rules see it, which the coverage report
     applies the rules of the export's bit-widths to (a retune reuses it)."""
-    from graphbuild.targets.qnn.coverage import coverage_structure
+    from graphbuild.targets.qnn.reports.coverage import coverage_structure
 
     ((lowered, _),) = inputs
     return coverage_structure(lowered)
@@ -321,7 +321,7 @@ def reference_with_tensors(inputs: tuple, samples: Any, context: Any) -> dict:
     """The quantized program's outputs on the sample inputs, and its quantized activations
     (``tensor:<qid>``) for the forced comparison of ``check_numerics``."""
     from graphbuild.frontend.reference import outputs_dict
-    from graphbuild.targets.qnn.numerics import TENSOR_PREFIX, quantized_tensors
+    from graphbuild.targets.qnn.reports.numerics import TENSOR_PREFIX, quantized_tensors
 
     (program,) = inputs
     tensors, outputs = quantized_tensors(program.program, to_device(as_args(samples), "cpu"))
@@ -344,7 +344,7 @@ def check_numerics_qdq(inputs: tuple, samples: Any, context: Any) -> dict:
 
 
 def _check_numerics(inputs: tuple, samples: Any, *, reinsert: bool) -> dict:
-    from graphbuild.targets.qnn.numerics import compare_outputs
+    from graphbuild.targets.qnn.reports.numerics import compare_outputs
 
     bound, enc_file, reference, (_, names), *floats = inputs
     doc = json.loads(enc_file.data)

@@ -418,7 +418,7 @@ def reference(inputs: tuple, samples: Any, context: Any) -> dict:
     (``tensor:<qid>``), for ``check_numerics``: the marker graph with each marker a
     quantize-dequantize of the computed values, as the one-stage program runs them."""
     from graphbuild.frontend.reference import outputs_dict
-    from graphbuild.targets.qnn.numerics import TENSOR_PREFIX
+    from graphbuild.targets.qnn.reports.numerics import TENSOR_PREFIX
 
     marker, (qmap, _), qvalues, (_, created), folded = inputs
     state = Overlay(folded, created, host_state(context.input))
