@@ -529,10 +529,11 @@ def test_ndarrays_of_equal_bytes_and_different_shapes_differ():
 
 
 def test_a_stage_keys_on_the_files_it_uses_not_on_the_whole_package():
-    from graphbuild.targets.qnn import pipeline
+    from graphbuild.frontend.capture import capture as capture_stage
+    from graphbuild.targets.qnn.pipeline.outputs import encodings as encodings_stage
 
-    capture = function_files(pipeline.capture)
-    encodings = function_files(pipeline.encodings)
+    capture = function_files(capture_stage)
+    encodings = function_files(encodings_stage)
 
     assert "graphbuild.frontend.capture" in capture
     assert "graphbuild.targets.qnn.encodings" not in capture
@@ -751,10 +752,11 @@ def test_a_replaced_builtin_preset_changes_the_registry_reading():
 
 
 def test_the_qnn_quantize_stage_keys_on_the_builtin_presets_it_loads():
-    from graphbuild.targets.qnn import pipeline
+    from graphbuild.frontend.capture import capture
+    from graphbuild.targets.qnn.pipeline.quantize import quantize
 
-    assert "graphbuild.targets.qnn.presets.quantizer" in function_files(pipeline.quantize)
-    assert "graphbuild.targets.qnn.presets.quantizer" not in function_files(pipeline.capture)
+    assert "graphbuild.targets.qnn.presets.quantizer" in function_files(quantize)
+    assert "graphbuild.targets.qnn.presets.quantizer" not in function_files(capture)
 
 
 def test_a_preset_registered_before_the_builtins_load_keeps_its_name(monkeypatch):
