@@ -41,10 +41,11 @@ class QnnOnnxOptions:
     ``matmul_int16_requantize`` (QDQ models: ``onnx_qdq``, ``context`` and the QDQ the HTP
     check rebuilds for ``onnx``) requantizes a 16-bit symmetric second MatMul input to int16
     just before the MatMul, the form the HTP's 16x16 MatMul computes right (see
-    :mod:`.qdq_forms`); ``False`` leaves it out, for tools that import the QDQ model strictly
-    (AIMET's quantization sim has no quantizer there), at the cost of that product's accuracy
-    on the HTP. ``None`` (the default) requantizes unless one of ``htp_arch`` refuses a 16x16
-    MatMul with an int16 second input (v68, v69): one QDQ model serves every listed arch.
+    :mod:`.rewrites.qdq_forms`); ``False`` leaves it out, for tools that import the QDQ model
+    strictly (AIMET's quantization sim has no quantizer there), at the cost of that product's
+    accuracy on the HTP. ``None`` (the default) requantizes unless one of ``htp_arch`` refuses
+    a 16x16 MatMul with an int16 second input (v68, v69): one QDQ model serves every listed
+    arch.
 
     ``external_data`` lays out the model file's tensors (:func:`graphbuild.onnx.save.save_model`):
     ``None`` (the default) inline up to 32 MiB of tensors, ``"per_tensor"`` above (each
@@ -58,7 +59,8 @@ class QnnOnnxOptions:
     TF-enhanced). Weights always take their min/max.
 
     ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``, ``"a8"``, ``"w4a16"``...)
-    changes what a preset does in the matched modules (:mod:`graphbuild.targets.qnn.presets.overrides`).
+    changes what a preset does in the matched modules
+    (:mod:`graphbuild.targets.qnn.presets.overrides`).
     """
 
     opset: int = 21

@@ -11,8 +11,8 @@ second input of an activation MatMul, fixed Softmax/Sigmoid/Tanh ranges, 8-bit a
 LayerNorm weights, tied Concat/Relu/AveragePool encodings).
 
 ``w4a16_lpbq`` is ``w4a16`` with a linear layer's weight in LPBQ blocks of 64 input channels
-(:mod:`graphbuild.targets.qnn.presets.lpbq_weights`): int4 values, 4-bit integer block scales under a
-float scale per output channel, as AIMET's ``set_lpbq_for_params`` and QNN's HTP run LLM
+(:mod:`graphbuild.targets.qnn.presets.lpbq_weights`): int4 values, 4-bit integer block scales
+under a float scale per output channel, as AIMET's ``set_lpbq_for_params`` and QNN's HTP run LLM
 weights; a weight whose input channels do not divide into blocks stays per channel.
 """
 
