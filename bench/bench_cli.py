@@ -61,7 +61,7 @@ COLD_TARGET = 1.15
 BASELINE = f"""
 import importlib.util, sys, tempfile, torch, onnx
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-from graphbuild.targets.qnn.preset import QnnQuantizer
+from graphbuild.targets.qnn.presets.quantizer import QnnQuantizer
 spec = importlib.util.spec_from_file_location("convnet", {str(MODEL_FILE)!r})
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)

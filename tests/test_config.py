@@ -422,7 +422,7 @@ def test_quantizer_spec_accepts_a_factory_and_refuses_other_objects(tmp_path):
 
     write(
         tmp_path / "graphbuild.toml",
-        'model = "m.py:b"\n[quantization]\nquantizer = "graphbuild.targets.qnn.preset:QnnQuantizer"\n',
+        'model = "m.py:b"\n[quantization]\nquantizer = "graphbuild.targets.qnn.presets.quantizer:QnnQuantizer"\n',
     )
     assert isinstance(load_config(cwd=tmp_path).quantizer_object(), Quantizer)
     cfg = load_config(

@@ -274,8 +274,8 @@ def test_the_report_gives_the_weights_size_as_the_device_stores_them(tmp_path):
 def test_the_graph_view_reads_back_from_its_json_as_it_was_built(tmp_path):
     """What the ``htp_view`` stage keeps: the view the HTP rules read, whole."""
     from examples import tiny_decoder
-    from graphbuild.targets.qnn.htp_view import view_from_json, view_to_json
-    from graphbuild.targets.qnn.onnx_view import onnx_view
+    from graphbuild.targets.qnn.rules.onnx_view import onnx_view
+    from graphbuild.targets.qnn.rules.view import view_from_json, view_to_json
 
     model, sample = tiny_decoder.build(0)
     gb.export(

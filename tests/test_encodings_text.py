@@ -12,7 +12,7 @@ import torch
 
 from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.encodings import build_encodings, dumps_encodings
-from graphbuild.targets.qnn.encodings import write as write_module
+from graphbuild.targets.qnn.encodings import text as text_module
 
 VERSIONS = ["1.0.0", "0.6.1", "2.0.0"]
 
@@ -74,7 +74,7 @@ def reference_dumps(doc: dict) -> str:
 
 @pytest.fixture(autouse=True)
 def no_remembered_texts():
-    write_module._TEXTS.keep({})
+    text_module._TEXTS.keep({})
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -106,7 +106,7 @@ def test_non_finite_values_are_written_as_json_writes_them():
     """Scales are finite (build_encodings refuses others); the writer still spells what it
     is given as json does."""
     values = [0.5, float("inf"), float("-inf"), float("nan"), 1e-45]
-    text = write_module._float_text(write_module._FloatList(np.array(values)))
+    text = text_module._float_text(text_module._FloatList(np.array(values)))
     assert text == json.dumps(values)
 
 
@@ -114,9 +114,9 @@ def test_non_finite_values_are_written_as_json_writes_them():
 def test_unchanged_scales_are_not_formatted_again_and_changed_ones_are(version, monkeypatch):
     formatted: list[int] = []
     for name in ("_float_text", "_channel_lines"):
-        real = getattr(write_module, name)
+        real = getattr(text_module, name)
         monkeypatch.setattr(
-            write_module, name, lambda *a, real=real: formatted.append(len(a[0])) or real(*a)
+            text_module, name, lambda *a, real=real: formatted.append(len(a[0])) or real(*a)
         )
     scale = awkward_scales(300, 1)
     dumps_encodings(documents(version, scale=scale))

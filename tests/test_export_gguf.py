@@ -305,7 +305,7 @@ def test_blocks_of_a_multiple_of_32_are_written_as_32s(tmp_path, tokenizer_path)
 def test_a_pt2e_converted_graph_keeps_its_scales(tmp_path, tokenizer_path):
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    import graphbuild.targets.qnn.preset  # noqa: F401  - registers the QNN presets
+    import graphbuild.targets.qnn.presets.quantizer  # noqa: F401  - registers the QNN presets
     from graphbuild.frontend.presets import QUANTIZER_PRESETS
 
     model = gm.decoder("llama")

@@ -128,7 +128,7 @@ def test_learnable_fake_quant_model_exports(tmp_path, cache):
 def test_pt2e_converted_graph_exports_without_quantize_stage(tmp_path, cache):
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    from graphbuild.targets.qnn.preset import QnnQuantizer
+    from graphbuild.targets.qnn.presets.quantizer import QnnQuantizer
 
     model, samples = convnet.build()
     gm = torch.export.export(model, samples).module()

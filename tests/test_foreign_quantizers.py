@@ -238,7 +238,7 @@ AIMET_X = torch.randn(2, 3, 8, 8)
 @pytest.mark.parametrize("fmt", ["onnx", "onnx_qdq"])
 def test_aimet_quantsim_model_exports_with_its_own_scales_and_offsets(tmp_path, cache, fmt):
     # random weights, seeded: end to end a 16-bit step can flip now and then (see
-    # graphbuild/targets/qnn/numerics.py), and the QDQ output's step is checked too
+    # graphbuild/targets/qnn/reports/numerics.py), and the QDQ output's step is checked too
     torch.manual_seed(0)
     model = AimetNet(AIMET_X).eval()
     art = export(model, (AIMET_X,), tmp_path, cache, fmt, version="1.0.0")

@@ -127,7 +127,7 @@ def _unquantized_input(inputs, samples, context):
 
 
 def with_unquantized_input(request):
-    from graphbuild.targets.qnn.pipeline import build_qnn_pipeline
+    from graphbuild.targets.qnn.pipeline.build import build_qnn_pipeline
 
     p = build_qnn_pipeline(request)
     p.insert_stage_after("bind", _unquantized_input, "drop_input_qdq", reads=())

@@ -400,7 +400,7 @@ def softmax_16(spread: float, data: float | None = None) -> tuple[onnx.ModelProt
 
 def test_a_softmax_on_the_htps_minimum_input_step_agrees_with_the_cpu(tmp_path):
     """The same small scores as below, on the grid the preset gives a Softmax's input."""
-    from graphbuild.targets.qnn.htp import SOFTMAX_MIN_INPUT_SCALE
+    from graphbuild.targets.qnn.rules.plan import SOFTMAX_MIN_INPUT_SCALE
 
     model, feeds = softmax_16(SOFTMAX_MIN_INPUT_SCALE * 65535 / 2, data=0.06)
     assert _htp_vs_cpu(model, feeds, tmp_path) <= 3
@@ -410,7 +410,7 @@ def test_a_softmax_on_the_htps_minimum_input_step_agrees_with_the_cpu(tmp_path):
     strict=True,
     reason="QNN HTP: a 16-bit Softmax lands 10-40 steps of its output grid from ORT CPU, and "
     "~2,000 from an input grid finer than about 2^-18.5 (+-0.06: a random-init ViT's attention "
-    "scores); the preset keeps a Softmax's input step at 2^-17 or more (htp.py)",
+    "scores); the preset keeps a Softmax's input step at 2^-17 or more (rules/plan.py)",
 )
 @pytest.mark.parametrize("spread", [0.06, 4.0])
 def test_a_16_bit_softmax_agrees_with_the_cpu(spread, tmp_path):

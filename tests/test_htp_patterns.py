@@ -1,5 +1,5 @@
 """Graph patterns QNN's HTP refuses or computes wrong, rewritten in aten before the preset
-annotates (``targets/qnn/htp_patterns.py``): each rewrite keeps the function (the rewritten
+annotates (``targets/qnn/rewrites/patterns.py``): each rewrite keeps the function (the rewritten
 module computes what the model computes) and leaves the form the HTP runs. The HTP judges the
 forms in ``tests/test_htp_forms.py``.
 """
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphbuild as gb
-from graphbuild.targets.qnn.rewrite import rewrite_for_htp
+from graphbuild.targets.qnn.rewrites.aten import rewrite_for_htp
 
 aten = torch.ops.aten
 

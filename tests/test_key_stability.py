@@ -39,7 +39,7 @@ ZOO_SCRIPT = textwrap.dedent(
     if order == "reverse":  # what another process may have imported first
         import graphbuild.onnx.codecs  # noqa: F401
         import graphbuild.targets.executorch.pipeline  # noqa: F401
-        import graphbuild.targets.qnn.preset  # noqa: F401
+        import graphbuild.targets.qnn.presets.quantizer  # noqa: F401
 
     import transformers as T
 

@@ -11,7 +11,7 @@ import pytest
 import graphbuild as gb
 from examples import tiny_decoder
 from graphbuild.errors import ConfigError, StageError
-from graphbuild.targets.qnn.overrides import parse_layer_overrides
+from graphbuild.targets.qnn.presets.overrides import parse_layer_overrides
 
 
 @pytest.fixture(scope="module")

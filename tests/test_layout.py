@@ -231,3 +231,68 @@ def test_no_target_names_outside_the_targets_own_package() -> None:
                 ):
                     found.append(f"{rel}:{line}: {text!r}")
     assert not found, "target names outside their package:\n" + "\n".join(found)
+
+
+# The QNN target's package: its modules in folders by concern, each short enough to read whole,
+# and no import cycle among the targets' modules.
+QNN = PACKAGE / "targets" / "qnn"
+#: ``__init__.py`` and ``options.py`` at the top of targets/qnn, everything else in folders
+QNN_TOP_LEVEL_MODULES = 10
+#: No exemption here: a longer module of targets/qnn is split by job.
+QNN_MAX_LINES = 400
+
+
+def test_the_qnn_target_keeps_its_modules_in_folders() -> None:
+    top = sorted(p.name for p in QNN.glob("*.py"))
+    assert len(top) <= QNN_TOP_LEVEL_MODULES, (
+        f"targets/qnn holds {len(top)} modules at its top level (at most "
+        f"{QNN_TOP_LEVEL_MODULES}): move them into the folder of their concern: {top}"
+    )
+
+
+def test_no_qnn_module_is_over_its_line_limit() -> None:
+    long = {
+        path.relative_to(PACKAGE).as_posix(): n
+        for path in sorted(QNN.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > QNN_MAX_LINES
+    }
+    assert not long, f"targets/qnn modules over {QNN_MAX_LINES} lines: split them by job: {long}"
+
+
+def _targets_import_graph() -> nx.DiGraph:
+    """Modules under targets/ and the edges of every import statement between them: lazy ones
+    in functions and ``if TYPE_CHECKING:`` ones included. ``from pkg import name`` points at
+    the module ``pkg.name`` where there is one, else at ``pkg``."""
+    modules = {}
+    for path in sorted((PACKAGE / "targets").rglob("*.py")):
+        name = _module_name(path)
+        modules[name.removesuffix(".__init__")] = path
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_node(name)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                imported = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, *([node.module] if node.module else [])])
+                imported = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                ]
+            else:
+                continue
+            graph.add_edges_from((name, m) for m in imported if m in modules and m != name)
+    return graph
+
+
+def test_no_import_cycle_between_the_targets_modules() -> None:
+    cycles = list(itertools.islice(nx.simple_cycles(_targets_import_graph()), 5))
+    assert not cycles, (
+        "import cycles between modules under targets/ (imports in functions and for type "
+        "checking count): move the shared code to the module it belongs to:\n"
+        + "\n".join(" -> ".join([*c, c[0]]) for c in cycles)
+    )

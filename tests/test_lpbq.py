@@ -186,7 +186,8 @@ def test_onnx_qdq_stores_the_weight_quantized_under_a_dequantized_scale(tmp_path
 
 
 def test_a_linear_layer_with_a_bias_keeps_per_channel_weights(tmp_path, cache):
-    """QNN's HTP computes an LPBQ MatMul followed by its bias Add wrong (see preset.py)."""
+    """QNN's HTP computes an LPBQ MatMul followed by its bias Add wrong (see
+    presets/quantizer.py)."""
     art = preset_export(tmp_path, cache, model=Mlp(bias=True).eval())
     entries = params(doc_of(art))
     assert entries["fc1.weight"]["enc_type"] == "PER_CHANNEL"

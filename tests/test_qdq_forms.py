@@ -1,4 +1,4 @@
-"""The Q/DQ forms QNN's HTP runs fully quantized (``targets/qnn/qdq_forms.py``), checked on
+"""The Q/DQ forms QNN's HTP runs fully quantized (``targets/qnn/rewrites/qdq_forms.py``), checked on
 the ONNX models themselves: what the forms look like, and that they change no number.
 
 On a hand-built QDQ model holding its values (the ``onnx`` format's QDQ rebuilt from an
@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import graphbuild as gb
-from graphbuild.targets.qnn.qdq_forms import apply_htp_forms
+from graphbuild.targets.qnn.rewrites.qdq_forms import apply_htp_forms
 
 S16 = 0.01  # a 16-bit step that holds the test's values
 

@@ -20,7 +20,7 @@ from torchao.quantization.pt2e.quantizer import (
 import graphbuild as gb
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.frontend.quantize import quantize, quantize_program
-from graphbuild.targets.qnn.preset import PRESETS, QnnQuantizer
+from graphbuild.targets.qnn.presets.quantizer import PRESETS, QnnQuantizer
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed
@@ -300,8 +300,8 @@ def test_attention_key_is_symmetric_16_bit_with_16_bit_activations(quantized: di
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_softmax_input_step_is_at_least_the_htps_minimum(quantized: dict, preset: str) -> None:
-    """The HTP's Softmax computes garbage from a finer input grid (htp.py)."""
-    from graphbuild.targets.qnn.htp import SOFTMAX_MIN_INPUT_SCALE
+    """The HTP's Softmax computes garbage from a finer input grid (rules/plan.py)."""
+    from graphbuild.targets.qnn.rules.plan import SOFTMAX_MIN_INPUT_SCALE
 
     softmaxes = [n for n in _calls(quantized["decoder", preset]) if n.target in SOFTMAX]
     for node in softmaxes:
@@ -312,7 +312,7 @@ def test_a_softmax_input_step_is_at_least_the_htps_minimum(quantized: dict, pres
 
 
 def test_a_narrow_range_widens_about_its_middle_to_the_minimum_step() -> None:
-    from graphbuild.targets.qnn.observers import quantization_spec
+    from graphbuild.targets.qnn.presets.observers import quantization_spec
 
     def observer():  # as PT2E builds it from the spec
         spec = quantization_spec(16, symmetric=False, min_scale=2.0**-17)

@@ -376,7 +376,7 @@ def test_a_tensor_calibration_makes_nan_is_refused_naming_it(tmp_path):
 def test_the_one_stage_quantize_refuses_nan_too():
     from graphbuild.frontend.capture import capture_program
     from graphbuild.frontend.quantize import quantize
-    from graphbuild.targets.qnn.preset import QnnQuantizer
+    from graphbuild.targets.qnn.presets.quantizer import QnnQuantizer
 
     torch.manual_seed(0)
     model = MakesNaN().eval()

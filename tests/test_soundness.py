@@ -529,10 +529,11 @@ def test_ndarrays_of_equal_bytes_and_different_shapes_differ():
 
 
 def test_a_stage_keys_on_the_files_it_uses_not_on_the_whole_package():
-    from graphbuild.targets.qnn import pipeline
+    from graphbuild.frontend.capture import capture as capture_stage
+    from graphbuild.targets.qnn.pipeline.outputs import encodings as encodings_stage
 
-    capture = function_files(pipeline.capture)
-    encodings = function_files(pipeline.encodings)
+    capture = function_files(capture_stage)
+    encodings = function_files(encodings_stage)
 
     assert "graphbuild.frontend.capture" in capture
     assert "graphbuild.targets.qnn.encodings" not in capture
@@ -726,7 +727,7 @@ def test_the_quantizer_preset_registry_reads_the_same_whatever_was_imported_befo
         from graphbuild.engine.fingerprint import read_registry
         first = read_registry("quantizer_presets").digest
         print("TORCHAO", "torchao" in sys.modules)
-        import graphbuild.targets.qnn.preset  # registers the QNN presets
+        import graphbuild.targets.qnn.presets.quantizer  # registers the QNN presets
         print("SAME", read_registry("quantizer_presets").digest == first)
         """
     )
@@ -740,7 +741,7 @@ def test_the_quantizer_preset_registry_reads_the_same_whatever_was_imported_befo
 
 def test_a_replaced_builtin_preset_changes_the_registry_reading():
     from graphbuild.engine.fingerprint import read_registry
-    from graphbuild.targets.qnn import preset  # noqa: F401  - registers the QNN presets
+    from graphbuild.targets.qnn.presets import quantizer  # noqa: F401  - registers the QNN presets
 
     before = read_registry("quantizer_presets").digest
     with pytest.MonkeyPatch.context() as mp:
@@ -751,15 +752,16 @@ def test_a_replaced_builtin_preset_changes_the_registry_reading():
 
 
 def test_the_qnn_quantize_stage_keys_on_the_builtin_presets_it_loads():
-    from graphbuild.targets.qnn import pipeline
+    from graphbuild.frontend.capture import capture
+    from graphbuild.targets.qnn.pipeline.quantize import quantize
 
-    assert "graphbuild.targets.qnn.preset" in function_files(pipeline.quantize)
-    assert "graphbuild.targets.qnn.preset" not in function_files(pipeline.capture)
+    assert "graphbuild.targets.qnn.presets.quantizer" in function_files(quantize)
+    assert "graphbuild.targets.qnn.presets.quantizer" not in function_files(capture)
 
 
 def test_a_preset_registered_before_the_builtins_load_keeps_its_name(monkeypatch):
     from graphbuild.frontend import presets
-    from graphbuild.targets.qnn import preset  # noqa: F401  - registers the QNN presets
+    from graphbuild.targets.qnn.presets import quantizer  # noqa: F401  - registers the QNN presets
 
     def mine():
         return QUANTIZER_PRESETS["w4a16"]()
@@ -824,7 +826,7 @@ def test_a_graph_module_with_many_nodes_has_a_structure_fingerprint():
 
 def test_a_torchao_quantizer_object_has_a_fingerprint_that_follows_its_preset():
     from graphbuild.engine.fingerprint import read_value
-    from graphbuild.targets.qnn.preset import QnnQuantizer
+    from graphbuild.targets.qnn.presets.quantizer import QnnQuantizer
 
     w8a16, again, w8a8 = (read_value(QnnQuantizer(p)) for p in ("w8a16", "w8a16", "w8a8"))
 

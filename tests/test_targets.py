@@ -127,7 +127,7 @@ def test_request_format_defaults_to_the_targets_first():
 
 
 def test_qnn_presets_named_in_the_declaration_are_the_registered_ones():
-    from graphbuild.targets.qnn.preset import PRESETS
+    from graphbuild.targets.qnn.presets.quantizer import PRESETS
 
     assert get_target("qnn").presets == PRESETS
 

@@ -46,7 +46,7 @@ def test_every_tensor_htp_quantizes_is_quantized_as_htp_runs_it(name, preset, fm
 @pytest.mark.parametrize(("name", "preset", "fmt"), cases())
 def test_onnx_agrees_with_the_torch_fake_quant_reference(name, preset, fmt, zoo_cache):
     """Given torch's quantized inputs, every quantized tensor and the output land within two
-    steps of torch's (numerics.py: end to end, 16-bit steps flip through the layers)."""
+    steps of torch's (reports/numerics.py: end to end, 16-bit steps flip through the layers)."""
     numerics = export_zoo(name, preset, fmt, zoo_cache).report.extra["numerics"]
     forced = numerics["forced"]
     assert forced["tensors"] > 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 from graphbuild.targets.base import Target, lazy_builder
 from graphbuild.targets.qnn.options import CONFIG_SCHEMA, FORMATS, PRESETS, QnnOnnxOptions
 
-build_qnn_pipeline = lazy_builder("graphbuild.targets.qnn.pipeline", "build_qnn_pipeline")
+build_qnn_pipeline = lazy_builder("graphbuild.targets.qnn.build", "build_qnn_pipeline")
 
 TARGET = Target(
     name="qnn",

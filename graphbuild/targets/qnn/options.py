@@ -9,9 +9,11 @@ from typing import Any
 from graphbuild.errors import ConfigError
 from graphbuild.quant.range_methods import DEFAULT_RANGE_METHOD, needs_histograms, range_config
 from graphbuild.targets.base import BOOL, FLOAT, INT, STR, STRS, OptionType, check_calibration
-from graphbuild.targets.qnn.htp_targets import HtpTarget, parse_targets
+from graphbuild.targets.qnn.arch.targets import HtpTarget, parse_targets
 
-FORMATS = ("onnx", "onnx_qdq", "context", "llm")
+#: The formats of one ONNX graph (:mod:`.pipeline.build`); ``llm`` builds many (:mod:`.llm`).
+ONNX_FORMATS = ("onnx", "onnx_qdq", "context")
+FORMATS = (*ONNX_FORMATS, "llm")
 KV_BITS = (8, 16)
 ENCODINGS_VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
 DEFAULT_ENCODINGS_VERSION = "1.0.0"
@@ -42,10 +44,11 @@ class QnnOnnxOptions:
     ``matmul_int16_requantize`` (QDQ models: ``onnx_qdq``, ``context`` and the QDQ the HTP
     check rebuilds for ``onnx``) requantizes a 16-bit symmetric second MatMul input to int16
     just before the MatMul, the form the HTP's 16x16 MatMul computes right (see
-    :mod:`.qdq_forms`); ``False`` leaves it out, for tools that import the QDQ model strictly
-    (AIMET's quantization sim has no quantizer there), at the cost of that product's accuracy
-    on the HTP. ``None`` (the default) requantizes unless one of ``htp_arch`` refuses a 16x16
-    MatMul with an int16 second input (v68, v69): one QDQ model serves every listed arch.
+    :mod:`.rewrites.qdq_forms`); ``False`` leaves it out, for tools that import the QDQ model
+    strictly (AIMET's quantization sim has no quantizer there), at the cost of that product's
+    accuracy on the HTP. ``None`` (the default) requantizes unless one of ``htp_arch`` refuses
+    a 16x16 MatMul with an int16 second input (v68, v69): one QDQ model serves every listed
+    arch.
 
     ``external_data`` lays out the model file's tensors (:func:`graphbuild.onnx.save.save_model`):
     ``None`` (the default) inline up to 32 MiB of tensors, ``"per_tensor"`` above (each
@@ -59,7 +62,8 @@ class QnnOnnxOptions:
     TF-enhanced). Weights always take their min/max.
 
     ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``, ``"a8"``, ``"w4a16"``...)
-    changes what a preset does in the matched modules (:mod:`graphbuild.targets.qnn.overrides`).
+    changes what a preset does in the matched modules
+    (:mod:`graphbuild.targets.qnn.presets.overrides`).
     """
 
     opset: int = 21
@@ -180,7 +184,7 @@ def presets_placed_as(placement: str) -> tuple[str, ...]:
 
 def _check_layer_overrides(overrides: Mapping[str, str], quantizer: Any) -> None:
     """Each entry must parse, and overrides apply to a QNN preset only."""
-    from graphbuild.targets.qnn.overrides import parse_layer_overrides
+    from graphbuild.targets.qnn.presets.overrides import parse_layer_overrides
 
     parse_layer_overrides(overrides)
     preset = quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
@@ -205,8 +209,8 @@ def _check_names(key: str, names: Sequence[str] | None) -> None:
         raise ConfigError(f"{key}: {', '.join(repeated)} given more than once")
 
 
-#: The quantizer presets ``preset.py`` registers, named here so that reading a config needs
-#: no torchao import (tests/test_targets.py checks the two agree).
+#: The quantizer presets ``presets/quantizer.py`` registers, named here so that reading a
+#: config needs no torchao import (tests/test_targets.py checks the two agree).
 PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16", "w4a16_lpbq")
 #: ``ctx.quantizer_placement`` of each preset: presets quantizing the same tensors share one
 #: placement, and switching between them recomputes values only. A preset whose rules came

@@ -24,7 +24,7 @@ import onnx
 from graphbuild.onnx.lower import QID_KEY
 from graphbuild.quant.quantmap import QuantSpec
 from graphbuild.targets.qnn.encodings.grid import weight_axes
-from graphbuild.targets.qnn.htp_config import GRID_PRESERVING
+from graphbuild.targets.qnn.rules.config import GRID_PRESERVING
 
 __all__ = ["BiasScale", "find_int32_biases"]
 

@@ -9,16 +9,14 @@ The documents carry what AIMET's own exports carry (aimet-onnx / aimet-torch 2.4
 run-wide defaults QNN's converter falls back on) and ``excluded_layers`` (aimet-torch writes it
 in both). Offsets are JSON integers, as aimet-torch writes them (aimet-onnx writes ``-128.0``;
 both parse the same). With an ONNX model at hand, int32 bias encodings are derived
-as AIMET does by default for 2.0.0 (:mod:`.bias`).
+as AIMET does by default for 2.0.0 (:mod:`.bias`). Each version's entries are written by
+:mod:`.formats`, the document's text by :mod:`.text`.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,53 +24,19 @@ import onnx
 import torch
 
 from graphbuild.errors import ExportError
-from graphbuild.hashing import digest_bytes, digest_json
-from graphbuild.quant.lpbq import lpbq_axes
 from graphbuild.quant.quantmap import QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.encodings.bias import BiasScale, find_int32_biases
+from graphbuild.targets.qnn.encodings.formats import _DOC_WRITERS, _ENTRY_WRITERS, _Quantizer
 from graphbuild.targets.qnn.encodings.grid import (
     DEFAULT_VERSION,
-    SECTIONS,
     check_version,
     full_grid,
 )
-from graphbuild.version import __version__
 
-__all__ = ["build_encodings", "dumps_encodings"]
+__all__ = ["build_encodings"]
 
-_CONTAINER_BITS = (4, 8, 16, 32)
 BIAS_OP = "graphbuild.int32_bias"
 """The ``op`` of the quantizer an int32 bias encoding is written from (no graph op has it)."""
-
-
-@dataclass(frozen=True, eq=False)
-class _Quantizer:
-    """One quantizer resolved to numbers: what every format writer reads."""
-
-    name: str
-    spec: QuantSpec
-    scale: np.ndarray  # float32; (1,) per-tensor, (C,) per-channel, weight rank if blocked
-    zero_point: np.ndarray  # int64, same shape as scale
-    channel_scale: np.ndarray | None = None  # LPBQ: float32 (C,)
-    block_int_scale: np.ndarray | None = None  # LPBQ: int64, shaped like scale
-
-    @property
-    def offset(self) -> np.ndarray:
-        """QNN's offset on the unsigned grid: ``-z``, or ``-2^(bw-1) - z`` if signed."""
-        shift = 2 ** (self.spec.bits - 1) if self.spec.signed else 0
-        return -shift - self.zero_point
-
-    @property
-    def is_sym(self) -> bool:
-        """The spec's own answer, else: every zero point at the grid's centre."""
-        if self.spec.symmetric is not None:
-            return self.spec.symmetric
-        centre = 0 if self.spec.signed else 2 ** (self.spec.bits - 1)
-        return bool(np.all(self.zero_point == centre))
-
-    @property
-    def section(self) -> str:
-        return "param_encodings" if self.spec.param is not None else "activation_encodings"
 
 
 def build_encodings(
@@ -182,10 +146,6 @@ def _most_common_bits(quantizers: Sequence[_Quantizer]) -> int:
     return max(counts, key=lambda bits: (counts[bits], bits))
 
 
-def _producer() -> dict[str, str]:
-    return {"package": "graphbuild", "version": __version__}
-
-
 def _resolve(spec: QuantSpec, values: QuantValues, names: Mapping[int, str]) -> _Quantizer:
     where = f"quantizer {spec.qid} ({spec.op or 'op?'} at {spec.node or 'node?'})"
     if spec.qid not in names:
@@ -243,322 +203,3 @@ def _unique_rows(rows: Iterable[tuple[_Quantizer, Any]]) -> list[tuple[_Quantize
                 f"{first[0].spec.qid} and {q.spec.qid}"
             )
     return list(seen.values())
-
-
-class _FloatList(list):
-    """A list of floats (what ``json`` reads and compares) that keeps the float64 array it
-    came from, so :func:`dumps_encodings` writes it without formatting one float at a time
-    from Python (:func:`_float_text`)."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: np.ndarray):
-        self.array = np.ascontiguousarray(array, dtype=np.float64).reshape(-1)
-        super().__init__(self.array.tolist())
-
-
-class _ChannelList(list):
-    """0.6.1's per-channel entries (dicts, as the document holds them) and the arrays they
-    were made from, for :func:`dumps_encodings`."""
-
-    __slots__ = ("bits", "symmetric", "columns")
-
-    def __init__(self, bits: int, symmetric: str, columns: dict[str, np.ndarray]):
-        self.bits, self.symmetric, self.columns = bits, symmetric, columns
-        lists = {k: v.tolist() for k, v in columns.items()}
-        super().__init__(
-            {
-                "bitwidth": bits,
-                "dtype": "int",
-                "is_symmetric": symmetric,
-                "min": mn,
-                "max": mx,
-                "offset": o,
-                "scale": sc,
-            }
-            for mn, mx, o, sc in zip(
-                lists["min"], lists["max"], lists["offset"], lists["scale"], strict=True
-            )
-        )
-
-
-def _floats(a: np.ndarray) -> list[float]:
-    return _FloatList(a)
-
-
-def _ints(a: np.ndarray) -> list[int]:
-    return a.reshape(-1).tolist()
-
-
-def _lpbq_axes(q: _Quantizer) -> tuple[int, int]:
-    """(channel axis, block axis) of an LPBQ quantizer's block scales."""
-    return lpbq_axes(q.scale.shape, int(q.spec.axis or 0), q.spec.channel_axis)
-
-
-def _channel_major(q: _Quantizer) -> np.ndarray:
-    """An LPBQ quantizer's integer block scales as (channels, blocks): the order 1.0.0 lists
-    them in whatever the weight's layout (AIMET writes a MatMul weight's transposed)."""
-    channel, block = _lpbq_axes(q)
-    ints = np.moveaxis(q.block_int_scale, (channel, block), (0, 1))
-    return ints.reshape(ints.shape[0], -1)
-
-
-def _entry_1_0_0_lpbq(q: _Quantizer) -> dict[str, Any]:
-    """AIMET's 1.0.0 LPBQ entry: ``bw`` the decompressed bit-width, ``compressed_bw`` the
-    weight's, ``scale`` one float per channel, ``per_block_int_scale`` channel-major,
-    ``offset`` the decompressed signed grid's."""
-    bw = q.spec.bits + int(q.spec.block_scale_bits or 0)
-    return {
-        "name": q.name,
-        "dtype": "INT",
-        "enc_type": "LPBQ",
-        "bw": bw,
-        "compressed_bw": q.spec.bits,
-        "is_sym": True,
-        "scale": _floats(q.channel_scale),
-        "per_block_int_scale": _ints(_channel_major(q)),
-        "offset": [-(2 ** (bw - 1))] * int(q.channel_scale.size),
-        "block_size": q.spec.block_size,
-    }
-
-
-def _entry_2_0_0_lpbq(q: _Quantizer) -> dict[str, Any]:
-    """AIMET's 2.0.0 LPBQ entry: both scales in the weight's layout (the float one with the
-    block axis of length 1), ``axis`` the block axis. 2.0.0 has no field for the decompressed
-    bit-width: it is twice the weight's (AIMET refuses anything else)."""
-    if q.spec.block_scale_bits != q.spec.bits:
-        raise ExportError(
-            f"tensor '{q.name}': encodings 2.0.0 can only express LPBQ with block scales as wide "
-            f"as the weight ({q.spec.bits} bits, decompressed to {2 * q.spec.bits}); this one "
-            f"has {q.spec.block_scale_bits}-bit block scales: use 1.0.0"
-        )
-    dtype, _ = _container(q.spec)
-    _, block = _lpbq_axes(q)
-    shape = list(q.scale.shape)
-    shape[block] = 1
-    return {
-        "name": q.name,
-        "output_dtype": dtype,
-        "per_channel_float_scale": q.channel_scale.astype(np.float64).reshape(shape).tolist(),
-        "per_block_int_scale": q.block_int_scale.tolist(),
-        "axis": block,
-        "block_size": q.spec.block_size,
-    }
-
-
-def _entry_1_0_0(q: _Quantizer) -> dict[str, Any]:
-    if q.channel_scale is not None:
-        return _entry_1_0_0_lpbq(q)
-    entry: dict[str, Any] = {
-        "name": q.name,
-        "dtype": "INT",
-        "enc_type": q.spec.granularity,
-        "bw": q.spec.bits,
-        "is_sym": q.is_sym,
-        "scale": _floats(q.scale),
-        "offset": _ints(q.offset),
-    }
-    if q.spec.block_size is not None:
-        entry["block_size"] = q.spec.block_size
-    return entry
-
-
-def _entry_0_6_1(q: _Quantizer) -> list[dict[str, Any]]:
-    if q.channel_scale is not None:
-        raise ExportError(
-            f"tensor '{q.name}': encodings version 0.6.1 cannot express LPBQ; use 1.0.0 or 2.0.0"
-        )
-    if q.spec.block_size is not None:
-        raise ExportError(
-            f"tensor '{q.name}': encodings version 0.6.1 cannot express blocked quantization; "
-            "use 1.0.0 or 2.0.0"
-        )
-    span = 2**q.spec.bits - 1
-    scale = q.scale.astype(np.float64).reshape(-1)
-    offset = q.offset.astype(np.int64).reshape(-1)
-    # float64 products of the exact float64 operands, as Python's s * o computes them
-    columns = {
-        "min": scale * offset.astype(np.float64),
-        "max": scale * (offset + span).astype(np.float64),
-        "offset": offset,
-        "scale": scale,
-    }
-    return _ChannelList(q.spec.bits, str(q.is_sym), columns)
-
-
-def _entry_2_0_0(q: _Quantizer) -> dict[str, Any]:
-    if q.channel_scale is not None:
-        return _entry_2_0_0_lpbq(q)
-    dtype, bits = _container(q.spec)
-    lo, hi = full_grid(bits, q.spec.signed)
-    if np.any(q.zero_point < lo) or np.any(q.zero_point > hi):
-        raise ExportError(f"tensor '{q.name}': zero points do not fit in {dtype}")
-    entry: dict[str, Any] = {"name": q.name, "output_dtype": dtype}
-    per_tensor = q.spec.axis is None
-    if per_tensor:
-        entry["y_scale"] = float(q.scale.reshape(-1)[0])
-    else:  # blocked keeps the weight's rank
-        entry["y_scale"] = _floats(q.scale) if q.scale.ndim == 1 else q.scale.tolist()
-    if np.any(q.zero_point != 0):
-        zp = q.zero_point
-        entry["y_zero_point"] = int(zp.reshape(-1)[0]) if per_tensor else zp.tolist()
-    if not per_tensor:
-        entry["axis"] = q.spec.axis
-    if q.spec.block_size is not None:
-        entry["block_size"] = q.spec.block_size
-    return entry
-
-
-def _container(spec: QuantSpec) -> tuple[str, int]:
-    """The smallest ONNX integer type holding ``[qmin, qmax]`` with the spec's signedness."""
-    for bits in _CONTAINER_BITS:
-        lo, hi = full_grid(bits, spec.signed)
-        if lo <= spec.qmin and spec.qmax <= hi:
-            return f"{'int' if spec.signed else 'uint'}{bits}", bits
-    raise ExportError(
-        f"quantizer {spec.qid}: grid [{spec.qmin}, {spec.qmax}] fits no 4/8/16/32-bit container"
-    )
-
-
-Rows = Sequence[tuple[_Quantizer, Any]]
-
-
-def _doc_1_0_0(rows: Rows, quantizer_args: dict[str, Any]) -> dict[str, Any]:
-    doc: dict[str, Any] = {"version": "1.0.0", "producer": _producer()}
-    for section, _ in SECTIONS:
-        doc[section] = [entry for q, entry in rows if q.section == section]
-    doc["excluded_layers"] = []
-    doc["quantizer_args"] = quantizer_args
-    return doc
-
-
-def _doc_0_6_1(rows: Rows, quantizer_args: dict[str, Any]) -> dict[str, Any]:
-    doc: dict[str, Any] = {"version": "0.6.1", "producer": _producer()}
-    for section, _ in SECTIONS:
-        doc[section] = {q.name: entry for q, entry in rows if q.section == section}
-    doc["excluded_layers"] = []
-    doc["quantizer_args"] = quantizer_args
-    return doc
-
-
-def _doc_2_0_0(rows: Rows, quantizer_args: dict[str, Any]) -> dict[str, Any]:
-    """2.0.0 as aimet-onnx writes it: no ``quantizer_args``, no ``excluded_layers``."""
-    return {"version": "2.0.0", "producer": _producer(), "encodings": [e for _, e in rows]}
-
-
-_ENTRY_WRITERS: dict[str, Callable[[_Quantizer], Any]] = {
-    "1.0.0": _entry_1_0_0,
-    "0.6.1": _entry_0_6_1,
-    "2.0.0": _entry_2_0_0,
-}
-_DOC_WRITERS: dict[str, Callable[[Rows, dict[str, Any]], dict[str, Any]]] = {
-    "1.0.0": _doc_1_0_0,
-    "0.6.1": _doc_0_6_1,
-    "2.0.0": _doc_2_0_0,
-}
-
-
-def dumps_encodings(doc: Mapping[str, Any]) -> str:
-    """The encodings document as text: one entry per line, so the file stays readable and
-    diffable while large models are written by the C JSON encoder (``indent`` would switch
-    to the slow pure-Python one). The lists of scales (and 0.6.1's per-channel entries) that
-    :func:`build_encodings` made are written from their arrays (:func:`_float_text`), and the
-    text of each is remembered by its values for the next document."""
-    compact = json.JSONEncoder(separators=(", ", ": ")).encode
-    used: dict[tuple, str] = {}
-
-    def render(value: Any) -> str:
-        if isinstance(value, _FloatList):
-            return _remembered(("floats", value.array), lambda: _float_text(value), used)
-        if type(value) is dict and any(isinstance(v, _FloatList) for v in value.values()):
-            return "{" + ", ".join(f"{compact(k)}: {render(v)}" for k, v in value.items()) + "}"
-        return compact(value)
-
-    def block(value: Any, depth: int) -> str:
-        pad, inner = "  " * depth, "  " * (depth + 1)
-        if (
-            isinstance(value, dict)
-            and depth == 0
-            or (
-                isinstance(value, dict)
-                and value
-                and all(isinstance(v, list) for v in value.values())
-            )
-        ):
-            items = [f"{inner}{compact(k)}: {block(v, depth + 1)}" for k, v in value.items()]
-            return "{\n" + ",\n".join(items) + f"\n{pad}}}" if items else "{}"
-        if isinstance(value, _ChannelList) and value:
-            key = ("channels", depth, value.bits, value.symmetric, *value.columns.values())
-            lines = _remembered(key, lambda: _channel_lines(value, inner, compact), used)
-            return "[\n" + lines + f"\n{pad}]"
-        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            return "[\n" + ",\n".join(inner + render(v) for v in value) + f"\n{pad}]"
-        return render(value)
-
-    text = block(dict(doc), 0) + "\n"
-    _TEXTS.keep(used)
-    return text
-
-
-def _float_text(values: _FloatList) -> str:
-    """``json.dumps(values)``, bytes for bytes: finite floats are written with
-    ``float.__repr__`` (what the JSON encoder calls) over the list in C, not element by
-    element in Python."""
-    if not np.isfinite(values.array).all():
-        return json.dumps(list(values))  # Infinity / NaN as json spells them
-    return "[" + ", ".join(map(float.__repr__, values)) + "]"
-
-
-def _channel_lines(value: _ChannelList, inner: str, compact: Callable[[Any], str]) -> str:
-    """0.6.1's per-channel entries, one line each, as ``compact`` writes each dict."""
-    c = value.columns
-    if not all(np.isfinite(c[k]).all() for k in ("min", "max", "scale")):
-        return ",\n".join(inner + compact(v) for v in value)
-    head = (
-        f'{inner}{{"bitwidth": {value.bits}, "dtype": "int", '
-        f'"is_symmetric": {compact(value.symmetric)}, "min": '
-    )
-    mins, maxs = map(float.__repr__, c["min"].tolist()), map(float.__repr__, c["max"].tolist())
-    scales = map(float.__repr__, c["scale"].tolist())
-    return ",\n".join(
-        f'{head}{mn}, "max": {mx}, "offset": {o}, "scale": {sc}}}'
-        for mn, mx, o, sc in zip(mins, maxs, c["offset"].tolist(), scales, strict=True)
-    )
-
-
-def _remembered(key: tuple, make: Callable[[], str], used: dict[tuple, str]) -> str:
-    """The text of ``key`` (arrays by their bytes), from the last document if it was there."""
-    digest = digest_json(
-        [
-            [str(k.dtype), digest_bytes(memoryview(np.ascontiguousarray(k)).cast("B"))]
-            if isinstance(k, np.ndarray)
-            else k
-            for k in key
-        ]
-    )
-    text = used.get(digest) or _TEXTS.get(digest)
-    if text is None:
-        text = make()
-    used[digest] = text
-    return text
-
-
-class _TextMemo:
-    """The texts of the last :func:`dumps_encodings` call, by the digest of their values: a
-    re-export whose weight scales did not change formats none of them again. Keeps one
-    document's worth (the next call keeps what it used)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._texts: dict[str, str] = {}
-
-    def get(self, digest: str) -> str | None:
-        with self._lock:
-            return self._texts.get(digest)
-
-    def keep(self, texts: dict[str, str]) -> None:
-        with self._lock:
-            self._texts = dict(texts)
-
-
-_TEXTS = _TextMemo()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from graphbuild.targets.qnn.htp_runtime.backend import (
     INSTALL,
-    QNN_EP,
     SOC_MODELS,
     Availability,
     HtpTarget,
@@ -57,7 +56,7 @@ from graphbuild.targets.qnn.htp_runtime.errors import (
 )
 from graphbuild.targets.qnn.htp_runtime.forced import ForcedComparison, forced_comparison
 from graphbuild.targets.qnn.htp_runtime.isolated import prepare_context_isolated
-from graphbuild.targets.qnn.htp_runtime.partition import CpuNode, FloatOp, PartitionReport
+from graphbuild.targets.qnn.htp_runtime.partition import QNN_EP, CpuNode, FloatOp, PartitionReport
 from graphbuild.targets.qnn.htp_runtime.session import HtpSession, ModelSource, open_session
 
 __all__ = [

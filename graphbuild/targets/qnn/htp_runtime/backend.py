@@ -11,13 +11,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from graphbuild.targets.qnn.arch.targets import SOC_MODELS, HtpTarget
 from graphbuild.targets.qnn.htp_runtime.capture import captured_output
 from graphbuild.targets.qnn.htp_runtime.errors import HtpUnavailableError
-from graphbuild.targets.qnn.htp_targets import SOC_MODELS, HtpTarget
+from graphbuild.targets.qnn.htp_runtime.partition import QNN_EP
 
 __all__ = [
     "INSTALL",
-    "QNN_EP",
     "SOC_MODELS",
     "Availability",
     "HtpTarget",
@@ -28,7 +28,6 @@ __all__ = [
     "require_backend",
 ]
 
-QNN_EP = "QNNExecutionProvider"
 INSTALL = (
     "install the htp extra: pip install 'graphbuild[htp]' (onnxruntime-qnn 2.7, which ships "
     "QNN's HTP backend for Linux x86_64 and Windows on ARM64 and needs onnxruntime >= 1.24.2)"

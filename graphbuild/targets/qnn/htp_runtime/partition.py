@@ -10,9 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from graphbuild.targets.qnn.htp_runtime.backend import QNN_EP
-
 __all__ = [
+    "QNN_EP",
     "CpuNode",
     "FloatOp",
     "PartitionReport",
@@ -20,6 +19,9 @@ __all__ = [
     "read_partition",
     "strip_ansi",
 ]
+
+#: The execution provider onnxruntime assigns the nodes QNN takes to.
+QNN_EP = "QNNExecutionProvider"
 
 _QNN_FLOAT_TYPES = {0x0216: "float16", 0x0232: "float32", 0x0264: "float64"}
 #: QNN ops whose float side is their job: they convert to or from the quantized grid

@@ -36,7 +36,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     """The pipeline of an ``llm`` export. The part count decides which stages exist, so the
     plan is made here, from the request's model (which also refuses a model or options the
     format cannot take before any stage runs); ``llm_plan`` makes it again as a keyed stage."""
-    from graphbuild.targets.qnn.pipeline import build_qnn_pipeline
+    from graphbuild.targets.qnn.pipeline.build import build_qnn_pipeline
 
     opts = coerce_options(QnnOnnxOptions, request.options, request.target)
     model = getattr(request, "model", None)

@@ -1,7 +1,8 @@
 """Known defects of QNN's HTP backend an export can run into, as patterns over the exported
 model: the coverage report names every tensor that matches one (``htp_defects``), with what
 goes wrong and the test that reproduces it. A defect graphbuild can write around is rewritten
-away (:mod:`.htp_patterns`); what is left here is what an export may still hit.
+away (:mod:`~graphbuild.targets.qnn.rewrites.patterns`); what is left here is what an export
+may still hit.
 
 **A 16-bit Tanh over 16 rows.** Measured on onnxruntime-qnn 2.7.0 (QNN SDK 2.51), every arch
 from v68 to v81: a Tanh with 16-bit activations on a ``[1, ..., 1, 16, C]`` tensor (C from 8 to
@@ -13,7 +14,8 @@ directly on one; whether a graph hits it depends on more of the graph than the T
 neighbours, so every such Tanh computed from another op is named. 15, 17, 24, 32 or more
 rows, two batches of 16 rows, ``[1, 4, 16, 8]``, 8-bit activations, and Sigmoid, Exp, GELU,
 ELU, Sin, Softmax or HardSigmoid in the Tanh's place all compute right. GELU with tanh is
-written as ``x * sigmoid(2z)`` (:mod:`.htp_patterns`) and so never reaches it.
+written as ``x * sigmoid(2z)`` (:mod:`~graphbuild.targets.qnn.rewrites.patterns`) and so
+never reaches it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from graphbuild.targets.qnn.onnx_view import source_of
+from graphbuild.targets.qnn.rules.onnx_view import source_of
 
 __all__ = ["TANH_16_ROWS", "HtpDefect", "defect_candidates", "defects_at"]
 

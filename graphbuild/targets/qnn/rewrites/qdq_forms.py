@@ -23,7 +23,8 @@ five forms differ from what the lowering writes by itself:
    (the same scale and zero point initializers): exact, since the op preserves the grid.
 4. **LayerNormalization's bias as int32.** A float bias makes QNN run the LayerNorm float
    (and its float LayerNorm feeding a quantized Gemm gives wrong rows); the bias becomes
-   DequantizeLinear of int32 values with scale ``input scale x gamma scale``, zero point 0.
+   DequantizeLinear of int32 values with scale ``input scale x gamma scale``, zero point 0
+   (:mod:`.qdq_bias`).
 
 5. **A linear's bias Add before a Relu.** AIMET's ``Add -> Relu`` supergroup leaves the Add's
    output unquantized. Where the Add reads dequantized inputs alone (a residual sum),
@@ -44,7 +45,6 @@ model whose Q/DQ parameters hold data (a QDQ model rebuilt from an encodings fil
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -52,16 +52,13 @@ import onnx_ir as ir
 
 from graphbuild.onnx.lower import (
     QID_KEY,
-    QPARAMS_LOCATION,
-    ROLE_KEY,
-    SOURCE_KEY,
-    WEIGHT_QID_KEY,
 )
 from graphbuild.onnx.naming import Namer
 from graphbuild.onnx.passes import FLOAT_TYPES
-from graphbuild.onnx.skeleton import STATE_LOCATION
 from graphbuild.quant.quantmap import QuantMap
-from graphbuild.targets.qnn.htp_config import GRID_PRESERVING
+from graphbuild.targets.qnn.rewrites.qdq_bias import int32_layernorm_biases
+from graphbuild.targets.qnn.rewrites.qdq_encoding import _data, _encoding
+from graphbuild.targets.qnn.rules.config import GRID_PRESERVING
 
 __all__ = ["MOVEMENT_OPS", "apply_htp_forms"]
 
@@ -88,15 +85,6 @@ def apply_htp_forms(
     return ir.serde.serialize_model(ir_model)
 
 
-@dataclass(frozen=True)
-class _Encoding:
-    """The Q/DQ parameters a DequantizeLinear output carries."""
-
-    scale: ir.Value
-    zero_point: ir.Value | None
-    axis: int | None
-
-
 class _Forms:
     def __init__(self, graph: ir.Graph, qmap: QuantMap | None) -> None:
         self.graph, self.qmap = graph, qmap
@@ -109,21 +97,9 @@ class _Forms:
         if matmul_int16_requantize:
             self._signed_matmul_inputs()
         self._unsigned_activations(keep_matmul_signed=matmul_int16_requantize)
-        self._int32_layernorm_biases()
+        int32_layernorm_biases(self.graph, self.namer)
 
     # -- what a value is --------------------------------------------------------------------
-
-    @staticmethod
-    def _encoding(value: ir.Value | None) -> _Encoding | None:
-        """The encoding of a DequantizeLinear's output (None for any other value)."""
-        node = value.producer() if value is not None else None
-        if node is None or node.op_type != "DequantizeLinear" or node.domain != "":
-            return None
-        axis = node.attributes.get("axis")
-        scale = node.inputs[1]
-        per_tensor = scale is not None and scale.shape is not None and scale.shape.rank() == 0
-        zero = node.inputs[2] if len(node.inputs) > 2 else None
-        return _Encoding(scale, zero, None if per_tensor else (axis.as_int() if axis else 1))
 
     def _spec_of(self, zero_point: ir.Value):
         meta = zero_point.const_value.metadata_props if zero_point.const_value else {}
@@ -155,7 +131,7 @@ class _Forms:
         for node in list(self.graph):
             if node.domain != "" or node.op_type not in movement or not node.inputs:
                 continue
-            enc = self._encoding(node.inputs[0])
+            enc = _encoding(node.inputs[0])
             if enc is None or enc.axis is not None or not _grid_kept(node):
                 continue
             for i, out in enumerate(node.outputs):
@@ -215,7 +191,7 @@ class _Forms:
             add = x.producer() if x is not None else None
             if add is None or add.op_type != "Add" or add.domain != "" or len(x.uses()) != 1:
                 continue
-            if all(self._encoding(i) is not None for i in add.inputs):
+            if all(_encoding(i) is not None for i in add.inputs):
                 continue  # DQ -> Add -> Relu -> Q is a QDQ Add once ORT drops the Relu
             if x.dtype not in FLOAT_TYPES:
                 continue
@@ -238,7 +214,7 @@ class _Forms:
             if node.op_type != "MatMul" or node.domain != "" or len(node.inputs) < 2:
                 continue
             b = node.inputs[1]
-            enc = self._encoding(b)
+            enc = _encoding(b)
             if enc is None or enc.axis is not None or enc.zero_point is None:
                 continue
             if _feeds_second_matmul_inputs(enc.zero_point):
@@ -309,126 +285,6 @@ class _Forms:
         for use in zero.uses():
             if use.node.op_type == "QuantizeLinear":
                 use.node.outputs[0].type = ir.TensorType(unsigned)
-
-    # -- 4. LayerNorm bias ------------------------------------------------------------------
-
-    def _int32_layernorm_biases(self) -> None:
-        for node in list(self.graph):
-            if node.op_type != "LayerNormalization" or node.domain != "" or len(node.inputs) < 3:
-                continue
-            x, gamma, bias = node.inputs[:3]
-            x_enc, g_enc = self._encoding(x), self._encoding(gamma)
-            if x_enc is None or g_enc is None or x_enc.axis is not None or bias is None:
-                continue
-            if not bias.is_initializer() or bias.dtype != ir.DataType.FLOAT:
-                continue
-            made = self._int32_bias(bias, x_enc, g_enc)
-            if made is None:
-                continue
-            dq = ir.Node(
-                "",
-                "DequantizeLinear",
-                list(made),
-                attributes=ir.convenience.convert_attributes(
-                    {"axis": 0} if g_enc.axis is not None else {}
-                ),
-                outputs=[
-                    ir.Value(
-                        name=self.namer.fresh(f"{bias.name}_dq"), shape=bias.shape, type=bias.type
-                    )
-                ],
-                name=self.namer.fresh(f"{bias.name}_DequantizeLinear"),
-            )
-            self.graph.insert_before(node, [dq])
-            node.replace_input_with(2, dq.outputs[0])
-            if not bias.uses() and not bias.is_graph_output():
-                self.graph.initializers.pop(bias.name or "")
-
-    def _int32_bias(
-        self, bias: ir.Value, x: _Encoding, gamma: _Encoding
-    ) -> tuple[ir.Value, ir.Value] | None:
-        """(int32 values, float scale) initializers of ``bias``: data where the bias and the
-        scales hold data, references ``bind`` computes where they are references."""
-        shape = tuple(bias.shape) if bias.shape is not None else None
-        if shape is None or len(shape) != 1 or not isinstance(shape[0], int):
-            return None
-        channels = shape[0]
-        if gamma.axis is not None and (
-            gamma.scale.shape is None or gamma.scale.shape[0] != channels
-        ):
-            return None
-        scale_shape = (channels,) if gamma.axis is not None else ()
-        base = bias.name or "bias"
-        values = ir.Value(
-            name=self.namer.fresh(f"{base}_quantized"),
-            shape=ir.Shape(shape),
-            type=ir.TensorType(ir.DataType.INT32),
-        )
-        scale = ir.Value(
-            name=self.namer.fresh(f"{base}_scale"),
-            shape=ir.Shape(scale_shape),
-            type=ir.TensorType(ir.DataType.FLOAT),
-        )
-        arrays = [_data(v) for v in (bias, x.scale, gamma.scale)]
-        if all(a is not None for a in arrays):
-            b, sx, sg = arrays
-            s = (np.float32(sx.reshape(-1)[0]) * sg.astype(np.float32)).reshape(scale_shape)
-            values.const_value = ir.Tensor(int32_bias(b, s), name=values.name)
-            scale.const_value = ir.Tensor(s.astype(np.float32), name=scale.name)
-        else:
-            refs = self._reference_keys(bias, x.scale, gamma.scale)
-            if refs is None:
-                return None
-            source, x_qid, g_qid = refs
-            for value, role, dtype, dims in (
-                (values, "bias", ir.DataType.INT32, shape),
-                (scale, "bias_scale", ir.DataType.FLOAT, scale_shape),
-            ):
-                meta = {QID_KEY: x_qid, WEIGHT_QID_KEY: g_qid, ROLE_KEY: role}
-                if role == "bias":
-                    meta[SOURCE_KEY] = source
-                value.const_value = ir.ExternalTensor(
-                    location=QPARAMS_LOCATION,
-                    offset=0,
-                    length=dtype.bitwidth * int(np.prod(dims, dtype=np.int64)) // 8,
-                    dtype=dtype,
-                    shape=ir.Shape(dims),
-                    name=value.name,
-                    metadata_props=meta,
-                )
-        self.graph.register_initializer(values)
-        self.graph.register_initializer(scale)
-        return values, scale
-
-    @staticmethod
-    def _reference_keys(
-        bias: ir.Value, x_scale: ir.Value, g_scale: ir.Value
-    ) -> tuple[str, str, str] | None:
-        """(bias state name, input qid, gamma qid) when all three are bind references."""
-        tensors = [v.const_value for v in (bias, x_scale, g_scale)]
-        if not all(isinstance(t, ir.ExternalTensor) for t in tensors):
-            return None
-        b, sx, sg = tensors
-        if b.location != STATE_LOCATION or QID_KEY not in sx.metadata_props:
-            return None
-        if QID_KEY not in sg.metadata_props:
-            return None
-        source = b.metadata_props.get(SOURCE_KEY, bias.name or "")
-        return source, sx.metadata_props[QID_KEY], sg.metadata_props[QID_KEY]
-
-
-def int32_bias(bias: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """``round(bias / scale)`` on the int32 grid (the scale a scalar or one per channel)."""
-    q = np.round(bias.astype(np.float32) / scale.astype(np.float32))
-    return np.clip(q, -(2**31), 2**31 - 1).astype(np.int32)
-
-
-def _data(value: ir.Value | None) -> np.ndarray | None:
-    """The numbers a constant holds (None for a bind reference or a non-constant)."""
-    tensor = value.const_value if value is not None else None
-    if tensor is None or isinstance(tensor, ir.ExternalTensor):
-        return None
-    return tensor.numpy()
 
 
 def _copy_tensor(tensor: ir.TensorProtocol | None, name: str) -> ir.TensorProtocol | None:

@@ -4,8 +4,8 @@ quantizer, where several tensors may hold the same one (a shared encoding)."""
 
 from __future__ import annotations
 
-from graphbuild.targets.qnn.htp_config import GRID_PRESERVING
-from graphbuild.targets.qnn.htp_view import OpNode, ViewWalk
+from graphbuild.targets.qnn.rules.config import GRID_PRESERVING
+from graphbuild.targets.qnn.rules.view import OpNode, ViewWalk
 
 __all__ = ["Quantizer", "Quantizers"]
 

@@ -1,7 +1,7 @@
 """The graph view the HTP rules read, and walking it.
 
-A :class:`GraphView` is a graph as the rules of :mod:`graphbuild.targets.qnn.htp` see it: ONNX
-op types, tensor names, and which tensors are float, constant or graph inputs. Two adapters
+A :class:`GraphView` is a graph as the rules of :mod:`graphbuild.targets.qnn.rules.plan` see
+it: ONNX op types, tensor names, and which tensors are float, constant or graph inputs. Two adapters
 build views (``onnx_view`` from an exported model, ``aten_view`` from a torch graph);
 :class:`ViewWalk` answers the questions the rules ask of one (who reads a tensor, which
 constant stands behind it, what a scalar holds).

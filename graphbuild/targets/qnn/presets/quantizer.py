@@ -1,18 +1,18 @@
 """QNN presets for torchao PT2E: quantize what QNN HTP runs quantized, as AIMET would.
 
 ``QnnQuantizer("w8a16")`` annotates an aten graph (``torch.export.export(...).module()``) so
-that after calibration every tensor the HTP rules (:mod:`graphbuild.targets.qnn.htp`, AIMET's
+that after calibration every tensor the HTP rules (:mod:`graphbuild.targets.qnn.rules.plan`, AIMET's
 ``htp_v81`` semantics) quantize carries exactly one quantizer, on the tensor rather than on
 an edge: all readers read the quantized value. Before annotating, the graph is rewritten so
-each such tensor exists in aten (:mod:`graphbuild.targets.qnn.rewrite`). Weights are
+each such tensor exists in aten (:mod:`graphbuild.targets.qnn.rewrites.aten`). Weights are
 symmetric on the full signed grid (per output channel for Conv, ConvTranspose, Gemm and MatMul
 weights), activations asymmetric on the unsigned grid, with AIMET's exceptions (symmetric
 second input of an activation MatMul, fixed Softmax/Sigmoid/Tanh ranges, 8-bit asymmetric
 LayerNorm weights, tied Concat/Relu/AveragePool encodings).
 
 ``w4a16_lpbq`` is ``w4a16`` with a linear layer's weight in LPBQ blocks of 64 input channels
-(:mod:`graphbuild.targets.qnn.lpbq_weights`): int4 values, 4-bit integer block scales under a
-float scale per output channel, as AIMET's ``set_lpbq_for_params`` and QNN's HTP run LLM
+(:mod:`graphbuild.targets.qnn.presets.lpbq_weights`): int4 values, 4-bit integer block scales
+under a float scale per output channel, as AIMET's ``set_lpbq_for_params`` and QNN's HTP run LLM
 weights; a weight whose input channels do not divide into blocks stays per channel.
 """
 
@@ -34,16 +34,16 @@ from torchao.quantization.pt2e.quantizer import (
 
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.frontend.quantize import register_preset, resolve_attr
-from graphbuild.targets.qnn.aten_view import AtenView, aten_view
-from graphbuild.targets.qnn.htp import Plan, TensorRule, plan
-from graphbuild.targets.qnn.lpbq_weights import SCALE_BITS, lpbq_spec, takes_lpbq
-from graphbuild.targets.qnn.observers import quantization_spec
-from graphbuild.targets.qnn.overrides import (
+from graphbuild.targets.qnn.presets.lpbq_weights import SCALE_BITS, lpbq_spec, takes_lpbq
+from graphbuild.targets.qnn.presets.observers import quantization_spec
+from graphbuild.targets.qnn.presets.overrides import (
     apply_layer_overrides,
     parse_layer_overrides,
     tensor_modules,
 )
-from graphbuild.targets.qnn.rewrite import rewrite_for_htp
+from graphbuild.targets.qnn.rewrites.aten import rewrite_for_htp
+from graphbuild.targets.qnn.rules.aten_view import AtenView, aten_view
+from graphbuild.targets.qnn.rules.plan import Plan, TensorRule, plan
 
 __all__ = [
     "PRESETS",
@@ -106,7 +106,7 @@ class QnnQuantizer(Quantizer):
     """torchao PT2E quantizer with QNN presets: ``w8a8``, ``w8a16``, ``w4a16``, ``w4a16_lpbq``.
 
     ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``, ``"a8"``, ...: see
-    :mod:`~graphbuild.targets.qnn.overrides`) is a hook applied after the HTP rules: it
+    :mod:`~graphbuild.targets.qnn.presets.overrides`) is a hook applied after the HTP rules: it
     changes the bits of, or removes, the quantizers the rules placed in the matched modules
     (the coverage report applies the same hook to the rules it expects)."""
 

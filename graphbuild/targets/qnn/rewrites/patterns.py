@@ -33,7 +33,7 @@ import torch
 from torch.fx import Graph, Node
 
 if TYPE_CHECKING:
-    from graphbuild.targets.qnn.rewrite import _Emitter
+    from graphbuild.targets.qnn.rewrites.emitter import _Emitter
 
 __all__ = ["NODE_REWRITES", "drop_dead_nodes", "fuse_patterns"]
 

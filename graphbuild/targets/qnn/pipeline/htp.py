@@ -34,7 +34,7 @@ from graphbuild.engine.fingerprint import register_registry
 from graphbuild.engine.pipeline import Pipeline, StageRef
 from graphbuild.errors import CoverageError, ExportError
 from graphbuild.frontend.capture import as_args
-from graphbuild.targets.qnn.htp_targets import HtpTarget
+from graphbuild.targets.qnn.arch.targets import HtpTarget
 
 __all__ = ["HTP_BACKEND", "add_htp_stages", "context_file_names"]
 
@@ -108,7 +108,7 @@ def qdq_from_encodings(inputs: tuple, samples: Any, context: Any) -> onnx.ModelP
     in the forms the HTP runs fully quantized (what the HTP check compiles)."""
     from graphbuild.onnx.save import materialize
     from graphbuild.targets.qnn.encodings.qdq import insert_qdq
-    from graphbuild.targets.qnn.qdq_forms import apply_htp_forms
+    from graphbuild.targets.qnn.rewrites.qdq_forms import apply_htp_forms
 
     bound, enc_file = inputs
     return apply_htp_forms(
@@ -229,8 +229,8 @@ def coverage_on_htp(inputs: tuple, samples: Any, context: Any) -> dict[str, Any]
     """The coverage report as QNN sees it: graphbuild's HTP rules, then what the HTP backend
     took. ``strict_coverage`` fails when QNN refused the model, put a node on the CPU or
     (with a preset) received an op in float."""
-    from graphbuild.targets.qnn.coverage import check_coverage
-    from graphbuild.targets.qnn.preset import is_preset_quantizer
+    from graphbuild.targets.qnn.presets.quantizer import is_preset_quantizer
+    from graphbuild.targets.qnn.reports.coverage import check_coverage
 
     report, htp = inputs
     preset = is_preset_quantizer(context["quantizer"])

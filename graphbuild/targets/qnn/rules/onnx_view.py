@@ -1,4 +1,4 @@
-"""The HTP rules' view of an ONNX model (:class:`~graphbuild.targets.qnn.htp.GraphView`).
+"""The HTP rules' view of an ONNX model (:class:`~graphbuild.targets.qnn.rules.plan.GraphView`).
 
 The view is the float model QNN would be given: a QDQ model's QuantizeLinear ->
 DequantizeLinear pairs are looked through (the dequantized tensor is the one the pair
@@ -15,7 +15,7 @@ import onnx
 import onnx_ir as ir
 
 from graphbuild.onnx.passes import FLOAT_TYPES
-from graphbuild.targets.qnn.htp import GraphView, OpNode
+from graphbuild.targets.qnn.rules.plan import GraphView, OpNode
 
 __all__ = ["onnx_view", "source_of"]
 

@@ -1,5 +1,5 @@
 """Groups of ops the HTP runs as one, and encodings tensors share: the parts of the HTP rules
-(:mod:`graphbuild.targets.qnn.htp`) that match patterns across ops.
+(:mod:`graphbuild.targets.qnn.rules.plan`) that match patterns across ops.
 
 * AIMET's graph passes: MatMul + Add of a constant is a linear (its MatMul output and bias stay
   float), an RMSNorm spelled out keeps only its last output quantized;
@@ -14,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from graphbuild.targets.qnn.htp_config import (
+from graphbuild.targets.qnn.rules.config import (
     GRID_PRESERVING,
     TIED_BACKWARD,
     TIED_FORWARD,
     supergroups,
 )
-from graphbuild.targets.qnn.htp_quantizers import Quantizer, Quantizers
-from graphbuild.targets.qnn.htp_view import OpNode, ViewWalk
+from graphbuild.targets.qnn.rules.quantizers import Quantizer, Quantizers
+from graphbuild.targets.qnn.rules.view import OpNode, ViewWalk
 
 __all__ = ["apply_matmul_add", "apply_rms_norm", "apply_supergroups", "tie_backward", "tie_forward"]
 

@@ -1,7 +1,7 @@
 """The coverage report: does the export quantize what QNN HTP runs quantized?
 
 QNN runs quantized exactly the tensors the encodings name, so a tensor the HTP rules
-(:mod:`graphbuild.targets.qnn.htp`) quantize but the export leaves float runs in float on the
+(:mod:`graphbuild.targets.qnn.rules.plan`) quantize but the export leaves float runs in float on the
 device, and a tensor quantized with other settings (a symmetric grid where HTP wants an
 asymmetric one) is one Qualcomm's tools reject. The report compares the rules, applied to the
 exported ONNX model itself, with the quantizers the export wrote, and says for every tensor
@@ -11,7 +11,7 @@ pre-quantized model without a quantizer there. It also flags degenerate calibrat
 a range below a few steps of the smallest scale (the values collapse onto a few grid points,
 a random-init network whose activations vanish) or one so wide no grid resolves ordinary
 values (a ``finfo.min`` attention mask). And it names the tensors in the pattern of a known
-defect of QNN's HTP backend (:mod:`graphbuild.targets.qnn.htp_defects`), with the reason and
+defect of QNN's HTP backend (:mod:`graphbuild.targets.qnn.reports.defects`), with the reason and
 the test that reproduces it. ``weight_bytes`` is the weights' size as the device stores
 them (an encoded weight at its bits).
 """
@@ -30,16 +30,16 @@ import torch
 
 from graphbuild.errors import CoverageError
 from graphbuild.quant.quantmap import QuantMap, QuantSpec, QuantValues
-from graphbuild.targets.qnn.aten_view import UNSUPPORTED
-from graphbuild.targets.qnn.htp import CONFIG_NAME, GraphView, OpNode, Plan, TensorRule, plan
-from graphbuild.targets.qnn.htp_defects import defect_candidates, defects_at
-from graphbuild.targets.qnn.htp_view import view_from_json, view_to_json
-from graphbuild.targets.qnn.onnx_view import onnx_view
-from graphbuild.targets.qnn.overrides import (
+from graphbuild.targets.qnn.presets.overrides import (
     apply_layer_overrides,
     onnx_tensor_modules,
     parse_layer_overrides,
 )
+from graphbuild.targets.qnn.reports.defects import defect_candidates, defects_at
+from graphbuild.targets.qnn.rules.aten_view import UNSUPPORTED
+from graphbuild.targets.qnn.rules.onnx_view import onnx_view
+from graphbuild.targets.qnn.rules.plan import CONFIG_NAME, GraphView, OpNode, Plan, TensorRule, plan
+from graphbuild.targets.qnn.rules.view import view_from_json, view_to_json
 
 __all__ = ["check_coverage", "coverage_report", "coverage_structure", "summary_line"]
 

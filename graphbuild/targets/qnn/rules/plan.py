@@ -2,17 +2,17 @@
 
 QNN quantizes exactly the tensors an encodings file names, so what graphbuild's presets
 quantize has to follow what Qualcomm's own tooling expects. This module states those rules
-once, over a small graph view (:class:`GraphView`, :mod:`.htp_view`: ONNX op types, tensor
+once, over a small graph view (:class:`GraphView`, :mod:`.view`: ONNX op types, tensor
 names, which tensors are float, constant or graph inputs). Two adapters build views: the ONNX
 one (``coverage``: what an exported model should carry) and the aten one (``preset``: where
 the PT2E quantizer puts its observers). The same rules on both is what makes the preset's
 encodings match the model.
 
-The op lists come from AIMET's configuration (:mod:`graphbuild.targets.qnn.htp_config`); the
+The op lists come from AIMET's configuration (:mod:`graphbuild.targets.qnn.rules.config`); the
 exception rules of AIMET's ``QuantizationSimModel`` (norm weights, activation MatMul) are
 restated here; what matches patterns across ops (its graph passes MatmulAdd and
-RMSNormalization, supergroups, tied quantizers) in :mod:`.htp_groups`, over the quantizers of
-:mod:`.htp_quantizers`. aimet-onnx is never imported: ``tests/test_aimet_interop.py`` checks
+RMSNormalization, supergroups, tied quantizers) in :mod:`.groups`, over the quantizers of
+:mod:`.quantizers`. aimet-onnx is never imported: ``tests/test_aimet_interop.py`` checks
 that the two agree on the test zoo.
 
 Rules, in AIMET's order:
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphbuild.targets.qnn.htp_config import (
+from graphbuild.targets.qnn.rules.config import (
     CONFIG_NAME,
     GRID_PRESERVING,
     IGNORED_OUTPUTS,
@@ -57,15 +57,15 @@ from graphbuild.targets.qnn.htp_config import (
     param_symmetric,
     per_channel_ops,
 )
-from graphbuild.targets.qnn.htp_groups import (
+from graphbuild.targets.qnn.rules.groups import (
     apply_matmul_add,
     apply_rms_norm,
     apply_supergroups,
     tie_backward,
     tie_forward,
 )
-from graphbuild.targets.qnn.htp_quantizers import Quantizer, Quantizers
-from graphbuild.targets.qnn.htp_view import GraphView, OpNode, ViewWalk
+from graphbuild.targets.qnn.rules.quantizers import Quantizer, Quantizers
+from graphbuild.targets.qnn.rules.view import GraphView, OpNode, ViewWalk
 
 __all__ = [
     "CONFIG_NAME",

@@ -3,7 +3,7 @@ matches.
 
 ``layer_overrides = {"blocks.*.mlp.*" = "w4", "lm_head" = "float"}`` (the qnn option, a table
 of module pattern -> setting) is applied by the preset *after* the HTP rules
-(:func:`graphbuild.targets.qnn.htp.plan`) have placed every quantizer, so an override changes
+(:func:`graphbuild.targets.qnn.rules.plan.plan`) have placed every quantizer, so an override changes
 what a quantizer does, never where quantizers sit:
 
 - ``"float"``: the tensors of the matched modules (their weights, and the outputs of the ops
@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from graphbuild.errors import ConfigError
-from graphbuild.targets.qnn.htp import GraphView, OpNode, Plan
+from graphbuild.targets.qnn.rules.plan import GraphView, OpNode, Plan
 
 if TYPE_CHECKING:
     import onnx
@@ -112,8 +112,9 @@ def module_path(node: Any) -> str:
 
 
 def tensor_modules(view: Any) -> dict[str, set[str]]:
-    """Tensor -> the module paths it belongs to, for an :class:`~.aten_view.AtenView` (the
-    preset's view of the aten graph)."""
+    """Tensor -> the module paths it belongs to, for an
+    :class:`~graphbuild.targets.qnn.rules.aten_view.AtenView` (the preset's view of the aten
+    graph)."""
     return _modules(view.view, lambda op: module_path(view.nodes.get(op.name)))
 
 

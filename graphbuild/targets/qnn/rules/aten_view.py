@@ -18,7 +18,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphbuild.frontend.quantize import resolve_attr
-from graphbuild.targets.qnn.htp import WEIGHTED_OPS, GraphView, OpNode
+from graphbuild.targets.qnn.rules.plan import WEIGHTED_OPS, GraphView, OpNode
 
 __all__ = ["AtenView", "UNSUPPORTED", "aten_view", "op_name"]
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from graphbuild.errors import ConfigError
-from graphbuild.targets.qnn.htp_config import CONFIG_NAME
+from graphbuild.targets.qnn.rules.config import CONFIG_NAME
 
 __all__ = ["SOC_MODELS", "HtpTarget", "default_arch", "parse_targets"]
 
