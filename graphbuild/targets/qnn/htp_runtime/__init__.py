@@ -19,7 +19,11 @@ This module is the one place graphbuild talks to it:
 - :func:`check_model`: all of the above for one model, as one JSON-able report;
 - :func:`prepare_context`: the model prepared for one target as a deployable context (the
   EPContext ONNX model and the QNN context binary beside it); :func:`prepare_context_isolated`
-  the same with reproducible bytes (a fresh process, a relative path).
+  the same with reproducible bytes (a fresh process, a relative path);
+- :func:`prepare_shared_context`: several graphs with the same weights (an LLM part's prompt
+  and token graphs) in one weight-shared context binary, an EPContext model per graph;
+  :func:`check_shared_context` their numbers against ORT's CPU, :func:`shared_context_key`
+  what the binary's bytes depend on.
 
 ORT's CPU run is at ``ORT_ENABLE_BASIC``: at its default level onnxruntime's QDQ fusions
 mis-type some w8a8 models ("output_dtype INT8 does not match y_zero_point type UINT8").
@@ -58,11 +62,26 @@ from graphbuild.targets.qnn.htp_runtime.forced import ForcedComparison, forced_c
 from graphbuild.targets.qnn.htp_runtime.isolated import prepare_context_isolated
 from graphbuild.targets.qnn.htp_runtime.partition import QNN_EP, CpuNode, FloatOp, PartitionReport
 from graphbuild.targets.qnn.htp_runtime.session import HtpSession, ModelSource, open_session
+from graphbuild.targets.qnn.htp_runtime.shared_check import (
+    SharedContextCheck,
+    check_shared_context,
+    shared_binary_loads,
+)
+from graphbuild.targets.qnn.htp_runtime.shared_context import (
+    WEIGHT_SHARING_FROM_ARCH,
+    SharedContext,
+    SharedGraph,
+    WeightSharing,
+    prepare_shared_context,
+    require_weight_sharing,
+    shared_context_key,
+)
 
 __all__ = [
     "INSTALL",
     "QNN_EP",
     "SOC_MODELS",
+    "WEIGHT_SHARING_FROM_ARCH",
     "Availability",
     "CpuNode",
     "FloatOp",
@@ -77,9 +96,14 @@ __all__ = [
     "OutputComparison",
     "PartitionReport",
     "PreparedContext",
+    "SharedContext",
+    "SharedContextCheck",
+    "SharedGraph",
+    "WeightSharing",
     "availability",
     "backend_versions",
     "check_model",
+    "check_shared_context",
     "compare_with_cpu",
     "context_binaries",
     "forced_comparison",
@@ -88,6 +112,10 @@ __all__ = [
     "output_steps",
     "prepare_context",
     "prepare_context_isolated",
+    "prepare_shared_context",
     "require_backend",
+    "require_weight_sharing",
     "run_cpu",
+    "shared_binary_loads",
+    "shared_context_key",
 ]
