@@ -33,6 +33,7 @@ og = pytest.importorskip(
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from graphbuild.errors import ConfigError  # noqa: E402
+from graphbuild.targets.qnn.htp_targets import HtpTarget  # noqa: E402
 from graphbuild.targets.qnn.llm.errors import (  # noqa: E402
     GenaiCrashedError,
     GenaiRefusedError,
@@ -50,6 +51,10 @@ from graphbuild.targets.qnn.llm.genai_config import (  # noqa: E402
     write_genai_config,
 )
 from graphbuild.targets.qnn.llm.generate import check_bundle, generate  # noqa: E402
+from graphbuild.targets.qnn.llm.genie_config import (  # noqa: E402
+    genie_config,
+    write_genie_configs,
+)
 from graphbuild.targets.qnn.llm.position_processor import (  # noqa: E402
     ATTENTION_MASK_IN,
     POSITION_IDS_IN,
@@ -631,3 +636,64 @@ def test_genai_config_refuses_a_pipeline_genai_would_run_wrongly(bundle: Path) -
     assert qnn.to_json()["provider_options"] == [
         {"qnn": {"backend_path": "libQnnHtp.so", "htp_arch": "81", "soc_model": "87"}}
     ]
+
+
+# -- genie_config.json ------------------------------------------------------------------------
+
+
+def test_genie_configs_name_the_binaries_the_tokenizer_and_the_device(tmp_path: Path) -> None:
+    facts = replace(toy_facts(PAD, 7), eos_token_id=(7, 9))
+    bins = [f"toy_part_{i}_of_3.bin" for i in (1, 2, 3)]
+    target = HtpTarget.of("v75")
+    with pytest.raises(ConfigError, match="toy_part_1_of_3.bin"):
+        write_genie_configs(tmp_path, facts, bins, target, rope_theta=ROPE_THETA)
+    for name in [*bins, "tokenizer.json"]:
+        (tmp_path / name).write_bytes(b"")
+    genie_path, ext_path = write_genie_configs(tmp_path, facts, bins, target, rope_theta=ROPE_THETA)
+    dialog = json.loads(genie_path.read_text())["dialog"]
+    assert dialog["context"] == {
+        "version": 1,
+        "size": CL,
+        "n-vocab": V,
+        "bos-token": 0,
+        "eos-token": [7, 9],
+    }
+    assert dialog["sampler"]["top-k"] == 1
+    assert (tmp_path / dialog["tokenizer"]["path"]).is_file()
+    engine = dialog["engine"]
+    assert engine["model"]["binary"]["ctx-bins"] == bins
+    assert all((tmp_path / b).is_file() for b in engine["model"]["binary"]["ctx-bins"])
+    backend = engine["backend"]
+    assert backend["type"] == "QnnHtp" and backend["extensions"] == ext_path.name
+    assert backend["QnnHtp"]["kv-dim"] == D
+    assert (backend["QnnHtp"]["pos-id-dim"], backend["QnnHtp"]["rope-theta"]) == (D // 2, 10000)
+    ext = json.loads(ext_path.read_text())
+    assert ext["devices"][0]["soc_model"] == 57 and ext["devices"][0]["dsp_arch"] == "v75"
+    assert ext["context"] == {"weight_sharing_enabled": True}
+
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    scaled = genie_config(facts, bins, rope_theta=500000.0, rope_scaling=llama3)
+    engine = scaled["dialog"]["engine"]
+    assert "pos-id-dim" not in engine["backend"]["QnnHtp"]
+    assert engine["model"]["positional-encoding"] == {
+        "type": "rope",
+        "rope-dim": D // 2,
+        "rope-theta": 500000,
+        "rope-scaling": {
+            "rope-type": "llama3",
+            "factor": 32.0,
+            "low-freq-factor": 1.0,
+            "high-freq-factor": 4.0,
+            "original-max-position-embeddings": 8192,
+        },
+    }
+    with pytest.raises(ConfigError, match="yarn"):
+        genie_config(facts, bins, rope_theta=1e4, rope_scaling={"rope_type": "yarn"})
+    with pytest.raises(ConfigError, match="relative"):
+        genie_config(facts, ["/abs/part.bin"], rope_theta=1e4)
