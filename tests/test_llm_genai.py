@@ -697,3 +697,53 @@ def test_genie_configs_name_the_binaries_the_tokenizer_and_the_device(tmp_path: 
         genie_config(facts, bins, rope_theta=1e4, rope_scaling={"rope_type": "yarn"})
     with pytest.raises(ConfigError, match="relative"):
         genie_config(facts, ["/abs/part.bin"], rope_theta=1e4)
+
+
+# -- the part graphs on QNN's HTP (simulated on x86_64) ---------------------------------------
+
+
+def _htp_unavailable() -> str:
+    if importlib.util.find_spec("onnxruntime_qnn") is None:
+        return "onnxruntime-qnn is not installed (the htp extra)"
+    from graphbuild.targets.qnn.htp_runtime.backend import availability
+
+    found = availability()
+    return "" if found.available else found.reason
+
+
+@needs_windowed_pipeline
+@pytest.mark.skipif(bool(_htp_unavailable()), reason=_htp_unavailable() or "available")
+def test_genai_runs_the_part_graphs_on_qnn_htp(bundle: Path, tmp_path: Path) -> None:
+    """The six part graphs on the QNN execution provider (HTP v81, onnxruntime-qnn as
+    onnxruntime-genai's plugin), the position processor on the CPU: the same tokens as the
+    CPU pipeline, logits within HTP's float16 arithmetic of them (and not bit-equal: QNN ran
+    them)."""
+    from graphbuild.targets.qnn.htp_runtime.check import check_model
+
+    target = HtpTarget.of("v81")
+    token_part = bundle / f"token_ar1_cl{CL}_2_of_3.onnx"
+    feeds = {
+        i.name: np.full(
+            [d.dim_value for d in i.type.tensor_type.shape.dim],
+            KV_ZERO_POINT,
+            np.uint8 if i.type.tensor_type.elem_type == TensorProto.UINT8 else np.float32,
+        )
+        for i in onnx.load(token_part).graph.input
+    }
+    check = check_model(token_part, feeds, target, forced=False)
+    assert check.compiled and check.partition.qnn_nodes == check.partition.total_nodes
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    config = json.loads((copy / "genai_config.json").read_text())
+    (stages,) = config["model"]["decoder"]["pipeline"]
+    for name, entry in stages.items():
+        if name != "position-processor":
+            entry["session_options"] = Session.qnn_htp(target).to_json()
+    (copy / "genai_config.json").write_text(json.dumps(config))
+    prompt = prompt_of(19)
+    cpu = generate(bundle, prompt, STEPS, genai_path=GENAI_PATH)
+    htp = generate(copy, prompt, STEPS, genai_path=GENAI_PATH)
+    assert htp.tokens == cpu.tokens
+    noise = np.sum((htp.logits - cpu.logits) ** 2)
+    assert noise > 0 and 10 * np.log10(np.sum(cpu.logits**2) / noise) > 30

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.errors import ConfigError
+from graphbuild.targets.qnn.htp_targets import HtpTarget
 from graphbuild.targets.qnn.llm.position_processor import PROCESSOR_OUTPUTS
 
 __all__ = [
@@ -156,6 +157,17 @@ class Session:
         """The QNN execution provider on ``backend_path`` with ``options`` (``htp_arch``,
         ``soc_model``, ``htp_performance_mode``, ``enable_htp_shared_memory_allocator``...)."""
         return cls("qnn", {"backend_path": backend_path, **options})
+
+    @classmethod
+    def qnn_htp(cls, target: HtpTarget, **options: str) -> Session:
+        """The QNN execution provider on HTP ``target`` with the installed onnxruntime-qnn's
+        HTP backend (graphbuild's HTP runtime locates it: run here, on the simulator or a
+        Snapdragon device); ``options`` add to or override its provider options. A bundle
+        for a device with its own QNN libraries takes :meth:`qnn` with their name
+        (``QnnHtp.dll`` on Windows on ARM)."""
+        from graphbuild.targets.qnn.htp_runtime.backend import ep_options_for
+
+        return cls("qnn", {**ep_options_for(target), **options})
 
     def to_json(self) -> dict[str, Any]:
         providers = [] if self.provider == "cpu" else [{"qnn": dict(self.options)}]
