@@ -622,6 +622,10 @@ def test_genai_config_refuses_a_pipeline_genai_would_run_wrongly(bundle: Path) -
     genai_config(facts, entries)  # the bundle's own pipeline is fine
     with pytest.raises(ConfigError, match="reads \\['hidden_states_1'\\]"):
         genai_config(facts, [entries[0], *entries[2:]])  # prompt part 1 dropped
+    token_3 = entries[-1]
+    overlapping = replace(token_3, inputs=(*token_3.inputs, "past_key_0_in"))
+    with pytest.raises(ConfigError, match="share some KV layers but not all"):
+        genai_config(facts, [*entries[:-1], overlapping])
     with pytest.raises(ConfigError, match="leaves KV caches unused"):
         genai_config(replace(facts, num_hidden_layers=3), entries)
     with pytest.raises(ConfigError, match="outputs 'logits_dequantized'"):

@@ -32,6 +32,7 @@ What onnxruntime-genai 0.18 reads (measured against it; unknown keys are refused
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -314,6 +315,18 @@ def _check_wiring(facts: LlmFacts, pipeline: Sequence[PipelineEntry], names: Gen
             )
         if names.logits not in written:
             raise ConfigError(f"no entry of the {phase} phase outputs {names.logits!r}")
+    # genai updates each entry's layers' caches after it runs: two entries' layer sets must
+    # be the same (a part's prompt and token graphs) or disjoint.
+    sets = {
+        e.name: frozenset(i for i in layers if names.past_key % i in e.inputs) for e in pipeline
+    }
+    for a, b in itertools.combinations([(n, s) for n, s in sets.items() if s], 2):
+        if a[1] != b[1] and a[1] & b[1]:
+            raise ConfigError(
+                f"pipeline entries {a[0]!r} (layers {sorted(a[1])}) and {b[0]!r} (layers "
+                f"{sorted(b[1])}) share some KV layers but not all: onnxruntime-genai needs "
+                "the same layers (a part's prompt and token graphs) or none in common"
+            )
 
 
 def genai_config(
