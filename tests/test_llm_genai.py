@@ -33,7 +33,7 @@ og = pytest.importorskip(
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from graphbuild.errors import ConfigError  # noqa: E402
-from graphbuild.targets.qnn.htp_targets import HtpTarget  # noqa: E402
+from graphbuild.targets.qnn.arch.targets import HtpTarget  # noqa: E402
 from graphbuild.targets.qnn.llm.errors import (  # noqa: E402
     GenaiCrashedError,
     GenaiRefusedError,

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.errors import ConfigError
-from graphbuild.targets.qnn.htp_targets import HtpTarget
+from graphbuild.targets.qnn.arch.targets import HtpTarget
 from graphbuild.targets.qnn.llm.position_processor import PROCESSOR_OUTPUTS
 
 __all__ = [

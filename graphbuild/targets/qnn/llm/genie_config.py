@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.errors import ConfigError
-from graphbuild.targets.qnn.htp_targets import HtpTarget
+from graphbuild.targets.qnn.arch.targets import HtpTarget
 from graphbuild.targets.qnn.llm.genai_config import LlmFacts
 
 __all__ = [
