@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from graphbuild.cache.names import is_digest, is_plain_name
+from graphbuild.cache.names import is_digest, is_placed_path, is_plain_name
 from graphbuild.hashing import digest_json
 
 _MAX_DEPTH = 64
@@ -150,7 +150,7 @@ def check_placement_stamp(stamp: Any) -> dict[str, Any]:
         f = item[1]
         if type(f) is not dict or any(type(f.get(k)) is not t for k, t in _STAMP_FILE.items()):
             raise InvalidManifest(f"bad file entry {str(item)[:80]}")
-        if not is_plain_name(f["name"]) or f["name"] == LOCK_FILE:
+        if not is_placed_path(f["name"]) or f["name"] == LOCK_FILE:
             raise InvalidManifest(f"names {str(f['name'])[:80]!r}, not a file it may place")
         if not is_digest(f["xxh3_128"]) or not 0 <= f["bytes"] <= _MAX_COUNT:
             raise InvalidManifest(f"bad digest or size for {f['name']!r}")

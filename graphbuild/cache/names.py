@@ -30,3 +30,13 @@ def is_plain_name(value: Any) -> bool:
         return len(value.encode("utf-8")) <= 255
     except UnicodeEncodeError:  # lone surrogates
         return False
+
+
+def is_placed_path(value: Any) -> bool:
+    """True for what an export may place: a plain file name, or one folder and a plain file
+    name in it (``cpu/genai_config.json``): a runtime's bundle keeps its files in a folder of
+    its own."""
+    if type(value) is not str:
+        return False
+    parts = value.split("/")
+    return len(parts) <= 2 and all(is_plain_name(p) for p in parts)

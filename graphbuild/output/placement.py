@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.cache.manifest import InvalidManifest, check_placement_stamp
-from graphbuild.cache.names import is_plain_name
+from graphbuild.cache.names import is_placed_path, is_plain_name
 from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.events import RunReport
 from graphbuild.engine.pipeline import Pipeline
@@ -95,8 +95,13 @@ def allowed_name(name: Any, pipeline: Pipeline, placement: Placement) -> bool:
     own files; never the lock file."""
     from graphbuild.onnx.save import is_data_file
 
-    if not is_plain_name(name) or name == LOCK_FILE:
+    if not is_placed_path(name) or name == LOCK_FILE:
         return False
+    if not is_plain_name(name):  # in a folder: only a name the pipeline declares
+        return pipeline.output_files is not None and (
+            name in pipeline.output_files
+            or any(is_data_file(name, f) for f in pipeline.output_files if f.endswith(".onnx"))
+        )
     model = placement.model_name
     if name == f"{model}.onnx" or is_data_file(name, f"{model}.onnx"):
         return True
@@ -196,6 +201,7 @@ def _place(
             if sink in reusable:
                 for kind, f in reusable[sink]:
                     written[kind] = tmp / f["name"]
+                    written[kind].parent.mkdir(exist_ok=True)
                     os.link(out_dir / f["name"], written[kind])
                     digests[kind] = {"name": f["name"], "xxh3_128": f["xxh3_128"], "product": sink}
                 continue
@@ -214,17 +220,20 @@ def _place(
                         "Pipeline.output_files"
                     )
                 for path, digest, ranges in _write(item, tmp, placement, previous, name):
-                    kind_of = _kind(path.name, placement.model_name, kind)
+                    placed = path.relative_to(tmp).as_posix()  # a folder's file: folder/name
+                    # a named model's files (its data files too) are known by their names
+                    kind_of = placed if name else _kind(placed, placement.model_name, kind)
                     written[kind_of] = path
-                    digests[kind_of] = {"name": path.name, "xxh3_128": digest, "product": sink}
+                    digests[kind_of] = {"name": placed, "xxh3_128": digest, "product": sink}
                     if ranges:
                         digests[kind_of]["ranges"] = ranges
         lock = _lock(pipeline, result.report, placement, digests, written)
         (tmp / LOCK_FILE).write_text(_lock_text(lock))
-        stale = _data_files(out_dir, placement.model_name) - {p.name for p in written.values()}
-        _commit(tmp, out_dir, {p.name for p in written.values()} | {LOCK_FILE}, stale)
+        ours = {p.relative_to(tmp).as_posix() for p in written.values()}
+        stale = _data_files(out_dir, placement.model_name) - ours
+        _commit(tmp, out_dir, ours | {LOCK_FILE}, stale)
         committed = True
-        return {kind: out_dir / p.name for kind, p in written.items()}, digests, lock
+        return {kind: out_dir / p.relative_to(tmp) for kind, p in written.items()}, digests, lock
     finally:
         if committed:  # tmp holds the replaced files now: nobody waits for their removal
             _release_links(tmp)
@@ -253,9 +262,10 @@ def _commit(tmp: Path, out_dir: Path, ours: set[str], stale: set[str]) -> None:
             if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not out_dir.is_dir():
                 raise
     entries = list(os.scandir(out_dir))
+    ours, stale = _top_level(ours), _top_level(stale)
     if (
         _exchange is not None
-        and all(not e.is_dir(follow_symlinks=False) for e in entries)
+        and all(not e.is_dir(follow_symlinks=False) or e.name in ours for e in entries)
         and not os.path.ismount(out_dir)  # a mount point cannot be renamed (EBUSY)
     ):
         for e in entries:
@@ -268,8 +278,15 @@ def _commit(tmp: Path, out_dir: Path, ours: set[str], stale: set[str]) -> None:
     _move_files(tmp, out_dir, ours, stale)
 
 
+def _top_level(names: set[str]) -> set[str]:
+    """The entries of the output directory that ``names`` are in: a file, or the folder of a
+    file in one. An export owns its folders whole: each is replaced as one entry."""
+    return {name.split("/")[0] for name in names}
+
+
 def _move_files(tmp: Path, out_dir: Path, ours: set[str], stale: set[str]) -> None:
-    """Per-file fallback: the lock last; on a failure the moved files are put back."""
+    """Per-entry fallback (a file, or a folder the export owns): the lock last; on a failure
+    the moved entries are put back."""
     backup = tmp / ".previous"
     backup.mkdir()
     moved: list[str] = []
@@ -329,7 +346,9 @@ def _umask() -> int:
 
 def _fsync_dir(path: Path) -> None:
     for entry in os.scandir(path):
-        if entry.is_file(follow_symlinks=False):
+        if entry.is_dir(follow_symlinks=False):
+            _fsync_dir(Path(entry.path))
+        elif entry.is_file(follow_symlinks=False):
             fd = os.open(entry.path, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -342,11 +361,13 @@ def _release_links(replaced: Path) -> None:
     file linked across, a data file an intact one was linked for): a name only, no blocks to
     free, and the new file is left with one link, which onnx requires of external data (it
     refuses a file with more than one as a possible hard-link attack)."""
-    for directory in (replaced, replaced / ".previous"):
+    folders = [replaced, replaced / ".previous"]
+    for directory in folders:
         try:
             entries = list(os.scandir(directory))
         except OSError:
             continue
+        folders += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
         for entry in entries:
             try:
                 if entry.is_file(follow_symlinks=False) and entry.stat().st_nlink > 1:
@@ -437,6 +458,7 @@ def _write(
         saved = [write_segments(tmp / item.name, item.segments(), previous)]
     else:
         path = tmp / item.name
+        path.parent.mkdir(exist_ok=True)
         path.write_bytes(item.data)
         return [(path, digest_bytes(item.data), [])]
     return [(f.path, f.digest, [[r.offset, r.length, r.digest] for r in f.ranges]) for f in saved]

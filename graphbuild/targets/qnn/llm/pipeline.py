@@ -25,8 +25,10 @@ from typing import Any
 
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.targets.base import Request, coerce_options
-from graphbuild.targets.qnn.llm import stages
+from graphbuild.targets.qnn.llm import bundle, stages
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
+from graphbuild.targets.qnn.llm.bundle import CPU
+from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
 from graphbuild.targets.qnn.llm.include import include_part
 from graphbuild.targets.qnn.llm.plan import KINDS, make_plan
 from graphbuild.targets.qnn.options import QnnOnnxOptions
@@ -104,12 +106,19 @@ def build_llm_pipeline(request: Request) -> Pipeline:
                 reads=("ctx.kv_bits",),
             ).depends_on(names["bind"], kv, view)
             products.append(graph.name)
-    p.products = products
-    p.output_files = frozenset(
-        f"{spec.graph_name(kind, opts.prompt_len if kind == 'prompt' else 1, opts.context_len)}.onnx"
+    files = {
+        f"{CPU}/{spec.graph_name(kind, opts.prompt_len if kind == 'prompt' else 1, opts.context_len)}.onnx"
         for spec in specs
         for kind in KINDS
-    )
+    }
+    if opts.kv_bits == 8:  # onnxruntime-genai's windowed cache holds uint8 only
+        rope = p.register_stage(bundle.rotary, "rotary", reads=("input.state",))
+        cpu = p.register_stage(bundle.cpu_bundle, "cpu_bundle", reads=("ctx.kv_bits",))
+        cpu.depends_on(plan, rope)
+        products.append(cpu.name)
+        files |= {f"{CPU}/{CONFIG_NAME}", f"{CPU}/{bundle.PROCESSOR}"}
+    p.products = products
+    p.output_files = frozenset(files)
     return p
 
 

@@ -18,6 +18,7 @@ import torch
 from graphbuild.engine.fingerprint import state_digests
 from graphbuild.errors import ConfigError
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
+from graphbuild.targets.qnn.llm.bundle import CPU
 from graphbuild.targets.qnn.llm.kv_io import kv_encoding, quantize_kv_io
 from graphbuild.targets.qnn.llm.plan import KINDS, LlmPlan, make_plan
 from graphbuild.targets.qnn.llm.runner import PartRunner
@@ -127,4 +128,4 @@ def kv_graph(index: int, kind: str, inputs: tuple, samples: Any, context: Any) -
     plan = LlmPlan.from_json(plan_json)
     if plan.spec(index).layers:
         bound = quantize_kv_io(bound, encodings, context["kv_bits"])
-    return {f"{plan.graph_name(index, kind)}.onnx": bound}
+    return {f"{CPU}/{plan.graph_name(index, kind)}.onnx": bound}
