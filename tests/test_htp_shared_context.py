@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.targets.qnn import htp_runtime as hr
-from graphbuild.targets.qnn.htp_runtime import backend, shared_check, shared_context
+from graphbuild.targets.qnn.htp_runtime import backend, shared_check, shared_context, shared_weights
 from graphbuild.targets.qnn.htp_runtime.errors import HtpRefusedError, HtpUnavailableError
 
 needs_htp = pytest.mark.skipif(
@@ -139,11 +139,11 @@ def _sizes(binary: int, shared: int, union: int) -> hr.WeightSharing:
 
 def test_a_binary_with_two_copies_of_large_shared_weights_is_an_error():
     mib = 1 << 20
-    shared_context._check_sharing(_sizes(int(1.06 * 512 * mib), 512 * mib, 512 * mib), "part")
+    shared_weights._check_sharing(_sizes(int(1.06 * 512 * mib), 512 * mib, 512 * mib), "part")
     with pytest.raises(ExportError, match="part is .* QNN did not share them"):
-        shared_context._check_sharing(_sizes(int(2.05 * 512 * mib), 512 * mib, 512 * mib), "part")
+        shared_weights._check_sharing(_sizes(int(2.05 * 512 * mib), 512 * mib, 512 * mib), "part")
     # small weights: the binary's own overhead may match them, nothing to judge
-    shared_context._check_sharing(_sizes(3 * mib, mib, mib), "part")
+    shared_weights._check_sharing(_sizes(3 * mib, mib, mib), "part")
 
 
 # --------------------------------------------------------------------------- on the HTP

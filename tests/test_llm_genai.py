@@ -42,13 +42,15 @@ from graphbuild.targets.qnn.llm.errors import (  # noqa: E402
     IncompleteBundleError,
 )
 from graphbuild.targets.qnn.llm.genai_config import (  # noqa: E402
+    genai_config,
+    part_entry,
+    write_genai_config,
+)
+from graphbuild.targets.qnn.llm.genai_pipeline import (  # noqa: E402
     GenaiNames,
     LlmFacts,
     PipelineEntry,
     Session,
-    genai_config,
-    part_entry,
-    write_genai_config,
 )
 from graphbuild.targets.qnn.llm.generate import check_bundle, generate  # noqa: E402
 from graphbuild.targets.qnn.llm.genie_config import (  # noqa: E402

@@ -68,13 +68,15 @@ from graphbuild.targets.qnn.htp_runtime.shared_check import (
     shared_binary_loads,
 )
 from graphbuild.targets.qnn.htp_runtime.shared_context import (
-    WEIGHT_SHARING_FROM_ARCH,
     SharedContext,
     SharedGraph,
-    WeightSharing,
     prepare_shared_context,
+)
+from graphbuild.targets.qnn.htp_runtime.shared_key import shared_context_key
+from graphbuild.targets.qnn.htp_runtime.shared_weights import (
+    WEIGHT_SHARING_FROM_ARCH,
+    WeightSharing,
     require_weight_sharing,
-    shared_context_key,
 )
 
 __all__ = [

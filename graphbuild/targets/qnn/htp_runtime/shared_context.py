@@ -27,12 +27,12 @@ load path>_<n>_0`` (``ep.context_node_name_prefix`` is read but not applied); th
 model's graph carries the given name, and :class:`SharedGraph` maps one to the other.
 
 QNN HTP shares weights between graphs from v73 on; an earlier architecture is refused before
-anything compiles. Running the graphs is :mod:`.shared_check`'s job.
+anything compiles. That guard and the measure of the shared weights are :mod:`.shared_weights`'s
+job, the build key's facts :mod:`.shared_key`'s, running the graphs :mod:`.shared_check`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -50,30 +50,26 @@ import onnx
 
 import graphbuild
 from graphbuild.errors import ConfigError, ExportError
-from graphbuild.targets.qnn.htp_runtime.backend import (
-    HtpTarget,
-    backend_versions,
-    require_backend,
-)
+from graphbuild.targets.qnn.htp_runtime.backend import HtpTarget, require_backend
 from graphbuild.targets.qnn.htp_runtime.context import context_binaries
 from graphbuild.targets.qnn.htp_runtime.errors import HtpRefusedError
 from graphbuild.targets.qnn.htp_runtime.partition import PartitionReport
 from graphbuild.targets.qnn.htp_runtime.session import ModelSource
+from graphbuild.targets.qnn.htp_runtime.shared_weights import (
+    WeightSharing,
+    _check_sharing,
+    _weight_sharing,
+    require_weight_sharing,
+)
 
 __all__ = [
     "RECIPE",
-    "WEIGHT_SHARING_FROM_ARCH",
     "SharedContext",
     "SharedGraph",
-    "WeightSharing",
     "prepare_shared_context",
-    "require_weight_sharing",
-    "shared_context_key",
     "shared_session_config",
 ]
 
-#: The first HTP architecture whose contexts share weights between graphs.
-WEIGHT_SHARING_FROM_ARCH = "73"
 #: What a preparation does besides its inputs (the session options, the layout, the isolated
 #: process): a build key holds it, so a change here is a new key.
 RECIPE = "qnn-shared-context/1: share_ep_contexts, embed_mode=0, fresh process, relative paths"
@@ -84,9 +80,6 @@ _CONTEXT_DIR = "context"
 _RESULT = "result.json"
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _EP_CONTEXT = "EPContext"
-#: Below this many shared weight bytes the binary's own overhead can match them, and the size
-#: says nothing about whether the weights were shared.
-_SIZE_CHECK_MIN_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -105,34 +98,6 @@ class SharedGraph:
             "model": self.model.name,
             "qnn_graph": self.qnn_graph,
             "partition": self.partition.to_json(),
-        }
-
-
-@dataclass(frozen=True)
-class WeightSharing:
-    """The binary's size against the graphs' weights (initializer bytes, each distinct
-    content once): ``graph_bytes`` each graph's, ``shared_bytes`` those every graph holds (the
-    same dtype, shape and bytes, whatever the name: QNN shares by content, measured with QNN
-    2.51), ``union_bytes`` one copy of all of them. A binary that shares is about
-    ``union_bytes``; one that does not, about the sum of ``graph_bytes``."""
-
-    binary_bytes: int
-    graph_bytes: tuple[int, ...]
-    shared_bytes: int
-    union_bytes: int
-
-    @property
-    def ratio(self) -> float:
-        """Binary bytes per byte of one copy of the weights."""
-        return self.binary_bytes / self.union_bytes if self.union_bytes else float("inf")
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "binary_bytes": self.binary_bytes,
-            "graph_bytes": list(self.graph_bytes),
-            "shared_bytes": self.shared_bytes,
-            "union_bytes": self.union_bytes,
-            "ratio": round(self.ratio, 4),
         }
 
 
@@ -162,18 +127,6 @@ class SharedContext:
             "graphs": [g.to_json() for g in self.graphs],
             "weights": self.weights.to_json(),
         }
-
-
-def require_weight_sharing(target: HtpTarget) -> None:
-    """Raise :class:`ConfigError` for an HTP architecture whose contexts cannot share weights
-    (before v73)."""
-    if int(target.htp_arch) < int(WEIGHT_SHARING_FROM_ARCH):
-        raise ConfigError(
-            f"HTP v{target.htp_arch} cannot share weights between the graphs of one QNN "
-            f"context; weight sharing starts at v{WEIGHT_SHARING_FROM_ARCH}. Prepare for "
-            f"v{WEIGHT_SHARING_FROM_ARCH} or later, or prepare one context per graph "
-            "(prepare_context) for this architecture"
-        )
 
 
 def shared_session_config(context_file: str, *, last: bool) -> dict[str, str]:
@@ -250,29 +203,6 @@ def prepare_shared_context(
             _repoint(work / _CONTEXT_DIR / f"{g}.onnx", model, final.name, g)
             graphs.append(SharedGraph(g, model, qnn_graph, PartitionReport.from_json(partition)))
     return SharedContext(name, target, final, tuple(graphs), weights)
-
-
-def shared_context_key(
-    models: Sequence[tuple[str, ModelSource]], target: HtpTarget, name: str
-) -> dict[str, Any]:
-    """What the bytes of :func:`prepare_shared_context` depend on, as a build key's facts: the
-    recipe, the context's and graphs' names (they name the files, and the graphs' load paths
-    the QNN graphs), each graph's model bytes (SHA-256 of the ``.onnx`` and its external data
-    files), the architecture and SoC model, and the onnxruntime / onnxruntime-qnn / QNN SDK
-    versions that prepare it."""
-    names = _check_names(models, name)
-    require_weight_sharing(target)
-    return {
-        "recipe": RECIPE,
-        "name": name,
-        "graphs": [
-            {"name": g, "sha256": _model_digest(model)}
-            for g, (_, model) in zip(names, models, strict=True)
-        ],
-        "htp_arch": target.htp_arch,
-        "soc_model": target.soc_model,
-        "versions": backend_versions(),
-    }
 
 
 # --------------------------------------------------------------------------- helpers
@@ -432,70 +362,3 @@ def _repoint(source: Path, target: Path, binary: str, graph: str) -> None:
             if attr.name == "ep_cache_context":
                 attr.s = binary.encode("utf-8")
     onnx.save(model, os.fspath(target))
-
-
-def _tensor_digests(model: Path) -> dict[str, int]:
-    """The initializers of ``model`` by content: SHA-256 of dtype, shape and bytes -> bytes."""
-    graph = onnx.load(os.fspath(model), load_external_data=False).graph
-    digests = {}
-    for t in graph.initializer:
-        h = hashlib.sha256(f"{t.data_type}:{list(t.dims)}:".encode())
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            ext = {e.key: e.value for e in t.external_data}
-            size = int(ext.get("length", "-1"))
-            with open(model.parent / ext["location"], "rb") as f:
-                f.seek(int(ext.get("offset", "0")))
-                data = f.read() if size < 0 else f.read(size)
-        elif t.raw_data:
-            data = t.raw_data
-        else:
-            data = onnx.numpy_helper.to_array(t).tobytes()
-        h.update(data)
-        digests[h.hexdigest()] = len(data)
-    return digests
-
-
-def _weight_sharing(sources: Sequence[Path], binary_bytes: int) -> WeightSharing:
-    """The graphs' weights as QNN shares them: by content, whatever their names."""
-    per_graph = [_tensor_digests(s) for s in sources]
-    common = set.intersection(*(set(d) for d in per_graph))
-    union = {k: n for d in per_graph for k, n in d.items()}
-    return WeightSharing(
-        binary_bytes=binary_bytes,
-        graph_bytes=tuple(sum(d.values()) for d in per_graph),
-        shared_bytes=sum(union[k] for k in common),
-        union_bytes=sum(union.values()),
-    )
-
-
-def _check_sharing(w: WeightSharing, name: str) -> None:
-    """A binary closer to two copies of the shared weights than to one did not share them
-    (checked where the weights dominate the binary)."""
-    if w.shared_bytes < _SIZE_CHECK_MIN_BYTES:
-        return
-    if w.binary_bytes > w.union_bytes + 0.75 * w.shared_bytes:
-        raise ExportError(
-            f"the shared context {name} is {w.binary_bytes} bytes for "
-            f"{w.shared_bytes} bytes of weights its graphs share ({w.union_bytes} in all): "
-            "QNN did not share them (is onnxruntime-qnn's weight sharing still turned on by "
-            "ep.share_ep_contexts?)"
-        )
-
-
-def _model_digest(model: ModelSource) -> str:
-    h = hashlib.sha256()
-    if isinstance(model, bytes):
-        h.update(model)
-        return h.hexdigest()
-    path = Path(model)
-    _update_file(h, path)
-    for name in _external_files(path):
-        h.update(f"\0{name}\0".encode())
-        _update_file(h, path.parent / name)
-    return h.hexdigest()
-
-
-def _update_file(h: Any, path: Path) -> None:
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)

@@ -25,7 +25,7 @@ from typing import Any
 
 from graphbuild.errors import ConfigError
 from graphbuild.targets.qnn.arch.targets import HtpTarget
-from graphbuild.targets.qnn.llm.genai_config import LlmFacts
+from graphbuild.targets.qnn.llm.genai_pipeline import LlmFacts
 
 __all__ = [
     "GENIE_CONFIG_NAME",
