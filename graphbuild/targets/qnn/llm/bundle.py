@@ -17,12 +17,10 @@ from graphbuild.errors import ConfigError
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.genai_config import (
     CONFIG_NAME,
-    LlmFacts,
-    PipelineEntry,
-    Session,
     genai_config,
     position_processor_entry,
 )
+from graphbuild.targets.qnn.llm.genai_pipeline import LlmFacts, PipelineEntry, Session
 from graphbuild.targets.qnn.llm.parts import MASK_MIN
 from graphbuild.targets.qnn.llm.plan import KINDS, LlmPlan
 from graphbuild.targets.qnn.llm.position_processor import build_position_processor

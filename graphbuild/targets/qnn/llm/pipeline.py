@@ -28,6 +28,7 @@ from graphbuild.targets.base import Request, coerce_options
 from graphbuild.targets.qnn.llm import bundle, stages
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.bundle import CPU
+from graphbuild.targets.qnn.llm.check import check_generation
 from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
 from graphbuild.targets.qnn.llm.include import include_part
 from graphbuild.targets.qnn.llm.plan import KINDS, make_plan
@@ -115,8 +116,15 @@ def build_llm_pipeline(request: Request) -> Pipeline:
         rope = p.register_stage(bundle.rotary, "rotary", reads=("input.state",))
         cpu = p.register_stage(bundle.cpu_bundle, "cpu_bundle", reads=("ctx.kv_bits",))
         cpu.depends_on(plan, rope)
+        graphs = list(products)
         products.append(cpu.name)
         files |= {f"{CPU}/{CONFIG_NAME}", f"{CPU}/{bundle.PROCESSOR}"}
+        if opts.check_numerics:
+            check = p.register_stage(
+                check_generation, "check_generation", reads=("input", "samples")
+            )
+            check.depends_on(plan, cpu, *graphs)
+            p.reports["numerics"] = check.name
     p.products = products
     p.output_files = frozenset(files)
     return p

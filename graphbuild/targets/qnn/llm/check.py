@@ -1,0 +1,149 @@
+"""``check_numerics`` for the llm format: generation, compared with the model's own.
+
+The CPU bundle generates greedily from the sample prompt in onnxruntime-genai (graphbuild's own
+onnxruntime runner of the same protocol where genai is not installed, and the report says
+so), and transformers generates from the same prompt with its own KV cache. The report gives
+both token lists, whether they agree, the step where they first differ with each side's lead
+of its token over the runner-up (a near-tie flipped by rounding, or not), and the SQNR of the
+bundle's logits against the model's at each step up to there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from graphbuild.engine.codecs import FileArtifact
+from graphbuild.frontend.reference import sqnr_db
+from graphbuild.onnx.save import write_model
+from graphbuild.targets.qnn.llm.adapters import find_causal_lm
+from graphbuild.targets.qnn.llm.bundle import CPU
+from graphbuild.targets.qnn.llm.plan import LlmPlan
+from graphbuild.targets.qnn.llm.stages import token_prompts
+
+#: Tokens generated for the check (fewer when the context ends first).
+CHECK_TOKENS = 32
+
+
+def reference_generation(
+    model: torch.nn.Module, prompt: list[int], steps: int
+) -> tuple[list[int], list[np.ndarray]]:
+    """transformers' greedy decoding with its own KV cache: the tokens and their logits."""
+    tokens: list[int] = []
+    logits: list[np.ndarray] = []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        for _ in range(steps):
+            row = out.logits[0, -1].float()
+            logits.append(row.numpy().copy())
+            tokens.append(int(row.argmax()))
+            out = model(
+                input_ids=torch.tensor([[tokens[-1]]]),
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+    return tokens, logits
+
+
+def _lead(row: np.ndarray) -> float:
+    top = np.sort(row)[-2:]
+    return float(top[1] - top[0])
+
+
+def compare(
+    tokens: list[int], logits: list[np.ndarray], ref_tokens: list[int], ref_logits: list[np.ndarray]
+) -> dict[str, Any]:
+    """Agreement of a generation with the reference, token by token (see the module)."""
+    n = min(len(tokens), len(ref_tokens))
+    first = next((i for i in range(n) if tokens[i] != ref_tokens[i]), None)
+    upto = n if first is None else first + 1
+    out: dict[str, Any] = {
+        "tokens": tokens,
+        "reference": ref_tokens[: len(tokens)],
+        "equal": first is None,
+        "sqnr_db": [round(sqnr_db(ref_logits[i], logits[i]), 2) for i in range(upto)],
+    }
+    if first is not None:
+        out["first_difference"] = {
+            "step": first,
+            "reference_lead": round(_lead(ref_logits[first]), 5),
+            "bundle_lead": round(_lead(logits[first]), 5),
+        }
+    return out
+
+
+def _write_bundle(directory: Path, graphs: list[dict], files: dict[str, FileArtifact]) -> Path:
+    for product in graphs:
+        for name, bound in product.items():
+            write_model(bound, directory / name)
+    for name, item in files.items():
+        (directory / name).parent.mkdir(exist_ok=True)
+        (directory / name).write_bytes(item.data)
+    return directory / CPU
+
+
+def check_generation(inputs: tuple, samples: Any, context: Any) -> dict[str, Any]:
+    """Generate from the sample prompt with the CPU bundle and with transformers, and
+    compare (see the module's docstring). Inputs: the plan, the bundle's files, the graphs."""
+    plan_json, files, *graphs = inputs
+    plan = LlmPlan.from_json(plan_json)
+    model = context.input
+    (prompt,) = token_prompts(None, samples)
+    padded = -(-len(prompt) // plan.prompt_len) * plan.prompt_len
+    steps = max(1, min(CHECK_TOKENS, plan.context_len - padded - 1))
+    ref_tokens, ref_logits = reference_generation(model, prompt, steps)
+    with tempfile.TemporaryDirectory(prefix="graphbuild-llm-check-") as tmp:
+        bundle = _write_bundle(Path(tmp), graphs, files)
+        if importlib.util.find_spec("onnxruntime_genai") is not None:
+            from graphbuild.targets.qnn.llm.generate import generate
+
+            result = generate(bundle, prompt, steps)
+            tokens, logits = result.tokens, list(result.logits)
+            runtime = f"onnxruntime-genai {result.genai_version}"
+        else:
+            tokens, logits = _onnxruntime_generation(
+                bundle, plan, find_causal_lm(model), prompt, steps
+            )
+            runtime = (
+                "onnxruntime (graphbuild's runner; pip install onnxruntime-genai to run genai)"
+            )
+    report = {
+        "runtime": runtime,
+        "prompt": prompt,
+        **compare(tokens, logits, ref_tokens, ref_logits),
+    }
+    report["summary"] = _summary(report)
+    return report
+
+
+def _onnxruntime_generation(
+    bundle: Path, plan: LlmPlan, lm: Any, prompt: list[int], steps: int
+) -> tuple[list[int], list[np.ndarray]]:
+    from graphbuild.targets.qnn.llm.ort_runner import onnx_caller
+    from graphbuild.targets.qnn.llm.runner import PartRunner
+
+    call, encodings = onnx_caller(bundle, plan)
+    runner = PartRunner(
+        lm, plan.specs, plan.prompt_len, plan.context_len, kv_encodings=encodings, caller=call
+    )
+    out = runner.generate(prompt, steps)
+    return out.tokens, [row.numpy() for row in out.logits]
+
+
+def _summary(report: dict[str, Any]) -> str:
+    n = len(report["tokens"])
+    if report["equal"]:
+        sqnr = min(report["sqnr_db"]) if report["sqnr_db"] else float("nan")
+        return (
+            f"{n} tokens equal to transformers' ({report['runtime']}; logits SQNR >= {sqnr:.1f} dB)"
+        )
+    diff = report["first_difference"]
+    return (
+        f"tokens differ from transformers' at step {diff['step']} of {n} ({report['runtime']}; "
+        f"leads there: transformers {diff['reference_lead']}, bundle {diff['bundle_lead']})"
+    )
