@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from graphbuild.cache.names import is_digest, is_placed_path, is_plain_name
+from graphbuild.cache.names import is_digest, is_placed_path
 from graphbuild.hashing import digest_json
 
 _MAX_DEPTH = 64
@@ -76,8 +76,8 @@ def check_artifact(description: Any, depth: int = 0) -> str:
     child_digests = [check_artifact(c, depth + 1) for c in children]
     if codec == "file":
         meta = description["meta"]
-        if type(meta) is not dict or not is_plain_name(meta.get("name")):
-            raise InvalidManifest("file artifact without a plain file name")
+        if type(meta) is not dict or not is_placed_path(meta.get("name")):
+            raise InvalidManifest("file artifact without a plain file name (or folder/name)")
     try:
         digest = digest_json([codec, description["meta"], digests, child_digests])
     except (TypeError, ValueError) as err:

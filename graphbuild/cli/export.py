@@ -231,7 +231,9 @@ def _report_lines(extra: Mapping[str, Any]) -> list[str]:
     if isinstance(htp, Mapping):
         lines.append(f"htp        {htp.get('summary', '')}")
     numerics = extra.get("numerics")
-    if isinstance(numerics, Mapping):
+    if isinstance(numerics, Mapping) and "outputs" not in numerics and "summary" in numerics:
+        lines.append(f"numerics   {numerics['summary']}")  # a generation check (qnn/llm)
+    elif isinstance(numerics, Mapping):
         against = numerics.get("reference")
         for out in numerics.get("outputs", []):
             line = f"numerics   {out.get('name')}: {_errors(out)}"

@@ -64,7 +64,7 @@ def compare(
     upto = n if first is None else first + 1
     out: dict[str, Any] = {
         "tokens": tokens,
-        "reference": ref_tokens[: len(tokens)],
+        "reference_tokens": ref_tokens[: len(tokens)],
         "equal": first is None,
         "sqnr_db": [round(sqnr_db(ref_logits[i], logits[i]), 2) for i in range(upto)],
     }
