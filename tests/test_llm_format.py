@@ -3,6 +3,8 @@ independent cached parts, and bad input refused before any work."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from tests.llm_models import FAMILIES, PROMPT, causal_lm, greedy_tokens, min_mar
 pytest.importorskip("transformers")
 
 GEOMETRY = dict(prompt_len=4, context_len=64, parts=3)
+EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def _export(model, out: Path, cache: Path, **options):
@@ -205,3 +208,93 @@ def test_a_part_over_the_size_limit_says_how_many_parts_would_fit(tmp_path: Path
 def test_calibration_batches_must_be_token_ids(tmp_path: Path) -> None:
     message = _refused(tmp_path, quantizer="w8a16", calibration=[(torch.randn(1, 4, 64),)])
     assert "token ids" in message and "calibration batch 0" in message
+
+
+# --------------------------------------------------------------------------- the CPU bundle
+
+
+def test_the_cpu_bundle_is_a_folder_of_graphs_processor_and_genai_config(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _export(causal_lm("llama", layers=2), out, tmp_path / "cache")
+    names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    graphs = [
+        f"cpu/{kind}_ar{n}_cl64_{i}_of_3.onnx"
+        for kind, n in (("prompt", 4), ("token", 1))
+        for i in (1, 2, 3)
+    ]
+    assert names == sorted(
+        [*graphs, "cpu/genai_config.json", "cpu/position-processor.onnx", "graphbuild.lock.json"]
+    )
+    config = json.loads((out / "cpu" / "genai_config.json").read_text())
+    entries = list(config["model"]["decoder"]["pipeline"][0])
+    assert entries[0] == "position-processor"
+    assert entries[1:3] == ["prompt_ar4_cl64_1_of_3", "token_ar1_cl64_1_of_3"]
+    assert config["model"]["decoder"]["sliding_window"]["window_size"] == 4
+
+
+def test_a_re_export_with_other_parts_leaves_no_graph_of_the_old_split(tmp_path: Path) -> None:
+    """The bundle's folder belongs to the export: replaced whole, nothing of the old split
+    left for genai to load by mistake."""
+    model = causal_lm("llama", layers=2)
+    out = tmp_path / "out"
+    _export(model, out, tmp_path / "cache")
+    _export(model, out, tmp_path / "cache", parts=2)
+    assert sorted(p.name for p in (out / "cpu").glob("*_of_*.onnx")) == [
+        "prompt_ar4_cl64_1_of_2.onnx",
+        "prompt_ar4_cl64_2_of_2.onnx",
+        "token_ar1_cl64_1_of_2.onnx",
+        "token_ar1_cl64_2_of_2.onnx",
+    ]
+
+
+def test_the_tutorial_bundle_generates_transformers_32_tokens(tmp_path: Path) -> None:
+    """examples/llm.toml's model, exported as the README does: onnxruntime-genai (graphbuild's
+    onnxruntime runner where genai is not installed, named in the report) generates
+    transformers' own greedy tokens from the CPU bundle, its 8-bit KV cache included."""
+    tiny_qwen = _example("tiny_qwen")
+    model, data = tiny_qwen.build()
+    artifacts = gb.export(
+        model,
+        data,
+        tmp_path / "out",
+        "tiny_qwen",
+        target="qnn",
+        format="llm",
+        options=dict(
+            prompt_len=16,
+            context_len=128,
+            parts=3,
+            check_numerics=True,
+            calibration=tiny_qwen.calibration(),
+        ),
+        cache=tmp_path / "cache",
+    )
+    report = artifacts.report.extra["numerics"]
+    assert report["equal"], report["summary"]
+    assert report["tokens"] == greedy_tokens(model, data[0][0].tolist(), 32)
+    assert min(report["sqnr_db"]) > 20
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_quantized_bundle_reports_where_its_tokens_part_from_transformers(tmp_path: Path) -> None:
+    model = causal_lm("llama", layers=2)
+    artifacts = _export(
+        model, tmp_path / "out", tmp_path / "cache", quantizer="w8a16", check_numerics=True
+    )
+    report = artifacts.report.extra["numerics"]
+    assert report["reference_tokens"] == greedy_tokens(model, PROMPT, 32)[: len(report["tokens"])]
+    if not report["equal"]:
+        diff = report["first_difference"]
+        assert report["tokens"][: diff["step"]] == report["reference_tokens"][: diff["step"]]
+        assert diff["reference_lead"] >= 0 and diff["bundle_lead"] >= 0
+        assert f"step {diff['step']}" in report["summary"]
+    compared = (
+        report["first_difference"]["step"] + 1 if not report["equal"] else len(report["tokens"])
+    )
+    assert len(report["sqnr_db"]) == compared  # the steps both sides generated from one context
