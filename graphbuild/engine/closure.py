@@ -8,7 +8,7 @@ its digest, installed libraries by their versions. A statement a module runs for
 counts with the names it changes (``TABLE["k"] = ...`` with ``TABLE``); a definition that
 looks names up by string (``globals()``, ``eval``) takes the whole module, and a string that
 names a module outside graphbuild (``import_module("pkg.mod")``) takes that module.
-graphbuild's own imports by name (lazy codecs, built-in presets) and registrations into
+graphbuild's own imports by name (declared codecs, built-in presets) and registrations into
 another module are registries, which key their entries themselves (``registry.*`` reads,
 codec versions): a forward closure cannot see who registers into a registry.
 
