@@ -169,7 +169,7 @@ DECLARED = textwrap.dedent(
     import onnx
     from onnx import TensorProto, helper
 
-    import graphbuild.onnx  # the package declares its codecs; nothing imports them yet
+    import graphbuild  # declares the codecs of the parts above the engine, imports none
     from graphbuild.engine.codecs import Encoded, Part, decode, encode
     from graphbuild.engine.toolchain import codec_version
 
@@ -196,10 +196,11 @@ DECLARED = textwrap.dedent(
 
 @pytest.mark.parametrize("how", ["decode", "encode"])
 def test_a_declared_codec_is_registered_when_first_needed_and_keeps_its_version(how):
-    """onnx/ declares its codecs from its package and registers them in onnx.codecs; the
-    engine imports that module (named by the declaration, never by the engine) when a
-    cache entry or a stage output first needs it. Its version is the same before and
-    after, so an entry it wrote is a hit in a process that has not loaded it yet."""
+    """onnx/codecs.py registers the ONNX codecs; graphbuild's top declares where they are,
+    and the engine imports that module (named by the declaration, never by the engine)
+    when a cache entry or a stage output first needs it. Its version is the same before
+    and after, so an entry it wrote is a hit in a process that has not loaded it yet (a
+    warm export, whose stages import ONNX lazily)."""
     proc = subprocess.run(
         [sys.executable, "-c", DECLARED, how],
         capture_output=True,

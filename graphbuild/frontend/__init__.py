@@ -2,7 +2,6 @@
 markers described by a quant map (both in :mod:`graphbuild.quant`, below front ends and
 formats)."""
 
-from graphbuild.engine.codecs import declare_codecs
 from graphbuild.engine.fingerprint import register_registry
 
 
@@ -25,7 +24,3 @@ def _quantizer_presets() -> dict:
 # built-in presets (see frontend.presets).
 register_registry("recognizers", _recognizers)
 register_registry("quantizer_presets", _quantizer_presets)
-
-# programs.py imports torch.export: its codec registers when a value or a cache entry first
-# needs it
-declare_codecs(f"{__name__}.programs", "exported_program")
