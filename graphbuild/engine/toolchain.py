@@ -1,6 +1,7 @@
 """What every key covers beside the stage itself: tool versions, the engine's files, the codecs.
 
-A new torch or an edited engine changes every key; a codec's code and configuration are
+A new torch or an edit to the engine's code (not to its comments or docstrings) changes every
+key; a codec's code and configuration are
 recorded in each entry it wrote, which is a miss once they change.
 """
 
@@ -15,17 +16,26 @@ from typing import Any
 from graphbuild.engine.closure import class_named_by, code_closure, name_closure
 from graphbuild.engine.codecs import codec_modules
 from graphbuild.engine.fingerprint import code_identity
-from graphbuild.hashing import digest_bytes, digest_json
+from graphbuild.engine.sources import code_digest
+from graphbuild.hashing import digest_json
 
 
 @functools.cache
 def _engine_digest() -> str:
-    """The engine's own files (keys, fingerprints, codecs, scheduler): they decide what every
+    """The engine's own code (keys, fingerprints, codecs, scheduler): it decides what every
     key means. Each stage's code is keyed by the files it reaches (``stage_code_version``),
     so editing one stage's module reruns that stage, not every stage."""
-    root = Path(__file__).parent
+    return engine_digest(Path(__file__).parent)
+
+
+def engine_digest(root: Path) -> str:
+    """The digest of the code of the engine at ``root`` (every module under it, and
+    ``hashing.py`` beside it), by each file's path under the package and its
+    :func:`~graphbuild.engine.sources.code_digest`: an edited comment or docstring in the
+    engine keeps every key, a team's shared cache included; an edited line of code does not."""
     files = [*sorted(root.rglob("*.py")), root.parent / "hashing.py"]
-    return digest_bytes(b"".join(f.read_bytes() for f in files))[:16]
+    form = {f.relative_to(root.parent).as_posix(): code_digest(str(f)) for f in files}
+    return digest_json(form)[:16]
 
 
 @functools.cache
