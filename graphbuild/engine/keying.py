@@ -27,7 +27,12 @@ from graphbuild.engine.fingerprint import (
 from graphbuild.engine.fingerprint.registries import _REGISTRIES
 from graphbuild.engine.key import stage_key
 from graphbuild.engine.pipeline import UNKEYED_INPUT
-from graphbuild.engine.toolchain import codec_version, toolchain_versions
+from graphbuild.engine.toolchain import (
+    TOOL_READ,
+    codec_version,
+    read_tool,
+    toolchain_versions,
+)
 from graphbuild.errors import FingerprintError
 
 if TYPE_CHECKING:
@@ -119,6 +124,8 @@ class Keys:
         if read.startswith("ctx."):
             key = read[4:]
             return read_value(self.context[key]) if key in self.context else read_value(_MISSING)
+        if read.startswith(TOOL_READ):  # a program or library the stage calls
+            return read_tool(read[len(TOOL_READ) :])
         return self.facets.read(read)
 
     def compute_key(self, name: str) -> str | None:
