@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from graphbuild.engine.codecs import declare_codecs
 from graphbuild.errors import (
     ConfigError,
     ExportError,
@@ -74,6 +75,15 @@ _LAZY = {
     "GgufOptions": "targets.gguf",
     "sweep": "sweeps",
 }
+
+# The codecs of graphbuild's artifact types above the engine, each registered by the module
+# that defines it when that module is imported. A warm run imports none of them (its stages
+# load torch.export and ONNX lazily), yet must version the codec of every entry it hits:
+# declared here, where every process passes, the engine finds them on need without naming a
+# module above it.
+declare_codecs("graphbuild.frontend.programs", "exported_program")
+declare_codecs("graphbuild.onnx.codecs", "onnx", "bound_onnx")
+declare_codecs("graphbuild.targets.gguf.artifacts", "gguf_tensors", "gguf_file")
 
 
 def __getattr__(name: str):

@@ -69,6 +69,26 @@ class InputMutationError(GraphbuildError):
         )
 
 
+class BufferMutationError(InputMutationError):
+    """The model's ``forward`` changes buffers in place (a counter, a running-statistics
+    update): quantizing runs ``forward`` on the calibration batches, which would change the
+    model it was given. Raised before anything runs the model; ``buffers`` are their names."""
+
+    def __init__(self, buffers: tuple[str, ...]):
+        self.stage, self.upstream, self.buffers = None, "input", tuple(buffers)
+        names = ", ".join(f"'{b}'" for b in self.buffers)
+        plural = "s" if len(self.buffers) > 1 else ""
+        GraphbuildError.__init__(
+            self,
+            f"the model's forward changes buffer{plural} {names} in place (such as "
+            "self.count += 1, or a running-statistics update): quantizing runs forward on the "
+            "calibration batches, which would change the model it was given and the values it "
+            "exports. Make the update conditional on training (if self.training: ...) and "
+            "export the model in eval mode (model.eval()), or compute the value without "
+            "storing it in the buffer (keep it in a local or return it).",
+        )
+
+
 class CodecError(GraphbuildError, TypeError):
     """A stage output whose type has no registered artifact codec."""
 

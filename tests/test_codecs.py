@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -152,3 +158,60 @@ def test_a_tuple_inside_a_list_stays_a_tuple(tmp_path):
     value = [1, (2, 3), {"pair": (4, 5)}]
 
     assert_same(round_trip(value, tmp_path / "cache"), value)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+DECLARED = textwrap.dedent(
+    """
+    import json, sys
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    import graphbuild  # declares the codecs of the parts above the engine, imports none
+    from graphbuild.engine.codecs import Encoded, Part, decode, encode
+    from graphbuild.engine.toolchain import codec_version
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph)
+    data = model.SerializeToString(deterministic=True)
+    out = {"loaded_at_start": "graphbuild.onnx.codecs" in sys.modules,
+           "version_before": codec_version("onnx")}
+    if sys.argv[1] == "decode":  # an entry in the cache, read by a process that never wrote one
+        entry = Encoded("onnx", None, [Part(data)]).describe()
+        value = decode(entry, lambda digest, size: data)
+    else:  # a stage's output of a type no registered codec takes yet
+        value = model
+        out["codec"] = encode(model).codec
+    out["same_model"] = isinstance(value, onnx.ModelProto) and value == model
+    out["loaded"] = "graphbuild.onnx.codecs" in sys.modules
+    out["version_after"] = codec_version("onnx")
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["decode", "encode"])
+def test_a_declared_codec_is_registered_when_first_needed_and_keeps_its_version(how):
+    """onnx/codecs.py registers the ONNX codecs; graphbuild's top declares where they are,
+    and the engine imports that module (named by the declaration, never by the engine)
+    when a cache entry or a stage output first needs it. Its version is the same before
+    and after, so an entry it wrote is a hit in a process that has not loaded it yet (a
+    warm export, whose stages import ONNX lazily)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", DECLARED, how],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert out["loaded_at_start"] is False
+    assert out["loaded"] is True and out["same_model"] is True
+    assert out["version_before"] == out["version_after"] != "unknown"
+    assert out.get("codec", "onnx") == "onnx"

@@ -15,6 +15,7 @@ edits to the model file between runs.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import json
@@ -451,6 +452,77 @@ def test_a_cache_that_cannot_be_written_warns_once_and_the_export_goes_on_uncach
     assert "No space left on device" in messages[0]
     assert set(statuses(doc).values()) == {"ran"}
     assert contents(out) == warm.files
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+def _database_full(*args, **kwargs):
+    # what SQLite says when it cannot grow the database or its journal (SQLITE_FULL)
+    raise sqlite3.OperationalError("database or disk is full")
+
+
+def fill_the_disk(monkeypatch, where: str) -> None:
+    """Every write to the cache fails with ENOSPC; with ``where="open"`` opening the index
+    for writing fails too, as SQLite's open does on a full disk (it writes its settings)."""
+    import diskcache
+
+    from graphbuild.cache.local.blobs import FileBlobs
+    from graphbuild.cache.local.index import DiskIndex
+
+    monkeypatch.setattr(FileBlobs, "write", _no_space)
+    for method in ("set_json", "delete", "incr", "acquire_lease", "renew_lease", "clear"):
+        monkeypatch.setattr(DiskIndex, method, _no_space)
+    if where == "open":
+        monkeypatch.setattr(diskcache, "Cache", _database_full)
+
+
+@pytest.mark.parametrize("where", ["open", "writes"])
+def test_on_a_full_disk_the_export_still_hits_every_cached_stage(warm, damaged, monkeypatch, where):
+    fill_the_disk(monkeypatch, where)
+
+    result = invoke(
+        "export", "--config", warm.config, "--cache-dir", damaged.cache, "-o", damaged.out,
+        "--json",
+    )  # fmt: skip
+    doc = json.loads(result.stdout)
+
+    counts = collections.Counter(statuses(doc).values())
+    assert counts == {"hit": len(doc["stages"])} and len(doc["stages"]) > 5, statuses(doc)
+    assert contents(damaged.out) == warm.files
+    assert (damaged.cache / "index").is_dir()  # not taken for damage and moved aside
+    messages = [line for line in result.stderr.splitlines() if "cannot write" in line]
+    assert len(messages) <= 1, messages  # one warning at most (no write is needed on a hit)
+    if where == "open":
+        assert messages and "disk is full" in messages[0] and "without caching" in messages[0]
+
+
+def test_cache_verify_on_a_full_disk_says_so_and_exits_0(warm, damaged, monkeypatch):
+    fill_the_disk(monkeypatch, "open")
+
+    result = cli("cache", "verify", "--cache-dir", damaged.cache)
+    doc = invoke_json("cache", "verify", "--cache-dir", damaged.cache)
+
+    assert result.exit_code == 0, result.output
+    assert "corrupt:" not in result.output and "disk is full" in result.output, result.output
+    assert doc["corrupt"] == [] and doc["checked_entries"] == len(manifest_rows(damaged.db))
+    assert any("disk is full" in note for note in doc["notes"]), doc["notes"]
+    assert (damaged.cache / "index").is_dir()
+    assert [p.name for p in damaged.cache.iterdir() if "damaged" in p.name] == []
+
+
+def test_cache_verify_on_a_full_disk_still_reports_what_is_corrupt(warm, damaged, monkeypatch):
+    _, manifest = manifest_rows(damaged.db)["encodings"]
+    victim = blob_file(damaged.cache, blob_refs(manifest["artifact"])[0])
+    victim.write_bytes(victim.read_bytes()[:-1] + b"!")
+    fill_the_disk(monkeypatch, "open")
+
+    doc = invoke_json("cache", "verify", "--cache-dir", damaged.cache, code=1)
+
+    assert any(victim.parent.name + victim.name in c for c in doc["corrupt"]), doc["corrupt"]
+    assert not any(c.startswith("index") for c in doc["corrupt"]), doc["corrupt"]
+    assert any("disk is full" in note for note in doc["notes"]), doc["notes"]
+    assert victim.exists()  # reported, not repaired: nothing could be written
 
 
 # --------------------------------------------------------------------------- placement

@@ -210,12 +210,20 @@ def test_a_new_process_reads_what_it_would_parse_from_the_cache(tmp_path, parses
     monkeypatch.setattr(
         sources, "_read_version", lambda top: read_versions.append(top) or real(top)
     )
+    code_digests: list[str] = []  # a file's code digest is kept like its summary
+    digest = sources.source_code_digest
+    monkeypatch.setattr(
+        sources,
+        "source_code_digest",
+        lambda source, path="": code_digests.append(path) or digest(source, path),
+    )
 
     warm = gb.export(model, samples, tmp_path / "out", "net", options=options, cache=cache)
 
     assert set(warm.report.statuses.values()) == {"hit"}
     assert warm.lock == cold.lock
     assert parses == [] and read_versions == []
+    assert code_digests == []
 
 
 def test_a_file_edited_since_is_parsed_again_and_its_stage_reruns(tmp_path, stage_module, parses):

@@ -296,3 +296,20 @@ def test_no_import_cycle_between_the_targets_modules() -> None:
         "checking count): move the shared code to the module it belongs to:\n"
         + "\n".join(" -> ".join([*c, c[0]]) for c in cycles)
     )
+
+
+def test_no_part_names_a_module_above_it_in_a_string() -> None:
+    """An import by a dotted string is an import: a lower part that names a higher part's
+    module in code (``import_module("graphbuild.onnx.codecs")``) depends on it as much as
+    an import statement would. Codecs a layer loads lazily are declared by that layer."""
+    found = []
+    for path in _modules():
+        own = _part(_module_name(path))
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, text in _code_strings_and_names(tree):
+            if not text.startswith("graphbuild."):
+                continue
+            other = _part(text)
+            if other in TIERS and other != own and TIERS[other] >= TIERS[own]:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {text!r}")
+    assert not found, "modules named by string from below:\n" + "\n".join(found)

@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["closed_ancestor", "why_unwritable"]
+__all__ = ["closed_ancestor", "disk_full", "why_unwritable"]
 
 
 def why_unwritable(err: OSError, path: Path) -> str:
@@ -24,7 +24,28 @@ def why_unwritable(err: OSError, path: Path) -> str:
         if closed is not None:
             return f"you may not enter {closed}{_owner(closed)}"
         return f"you may not write in {_existing(path)}"
+    if disk_full(err, path):
+        return f"the disk holding {_existing(path)} is full ({err.strerror or err})"
     return f"{path}: {err.strerror or err}"
+
+
+def disk_full(err: BaseException, path: Path) -> bool:
+    """Whether ``err``, raised writing under ``path``, is a full disk: ENOSPC or a quota
+    (EDQUOT), SQLite's "database or disk is full", or another write error on a writable file
+    system with no space left for us (SQLite reports a full disk as a "disk I/O error" when
+    it cannot grow its shared-memory file)."""
+    code = getattr(err, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return False
+    if "disk is full" in str(err).lower():
+        return True
+    try:
+        st = os.statvfs(_existing(path))
+    except (OSError, AttributeError):  # no statvfs (Windows), or nothing there to ask
+        return False
+    return not st.f_flag & os.ST_RDONLY and st.f_bavail == 0
 
 
 def closed_ancestor(path: Path) -> Path | None:

@@ -188,6 +188,8 @@ class Stores:
     path: Path | None = None
     quarantined: Path | None = None
     damage: str | None = None
+    #: why this process cannot write stores it should (a full disk), when opening found out
+    unwritable: str | None = None
     local: Stores | None = None  # a layered pair's local half (a size limit applies to it)
 
     def close(self) -> None:

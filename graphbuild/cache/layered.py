@@ -24,6 +24,7 @@ from typing import Any
 
 from graphbuild.cache.base import ActionIndex, BlobStore, CorruptBlob, StoreReadOnly, Stores
 from graphbuild.cache.manifest import InvalidManifest, blob_refs, check_manifest
+from graphbuild.errors import CacheError
 
 SHARED = ("m:",)
 
@@ -273,5 +274,24 @@ def layered(local: Stores, remote: Stores) -> Stores:
         path=local.path,
         quarantined=local.quarantined,
         damage=local.damage,
+        unwritable=local.unwritable,
         local=local,
     )
+
+
+def in_front_of_shared(local: Stores, url: str, readonly: bool) -> Stores:
+    """``local`` in front of the shared cache at ``url``; ``local`` alone, with a warning,
+    when the server cannot be reached (the shared cache is an optimisation)."""
+    from graphbuild.cache.remote import open_remote
+
+    try:
+        remote = open_remote(url, readonly=readonly)
+    except OSError as err:
+        warnings.warn(
+            f"graphbuild: {err}; going on with the local cache", RuntimeWarning, stacklevel=4
+        )
+        return local
+    except CacheError:
+        local.close()
+        raise
+    return layered(local, remote)

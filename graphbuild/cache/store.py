@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from graphbuild.cache.base import ActionIndex, Stores
-from graphbuild.cache.local import open_local
+from graphbuild.cache.layered import in_front_of_shared
+from graphbuild.cache.local import cannot_write, open_local
 from graphbuild.cache.manifest import (
     InvalidManifest,
     blob_refs,
@@ -127,7 +128,7 @@ class ByteCache:
     ):
         stores = open_local(path, readonly=readonly, repair=repair)
         if url and stores.index is not None:
-            stores = _with_remote(stores, url, remote_readonly)
+            stores = in_front_of_shared(stores, url, remote_readonly)
         self._attach(stores, size_limit)
 
     @classmethod
@@ -157,8 +158,8 @@ class ByteCache:
         self._index = stores.index
         self.readonly = stores.readonly
         self._writable = not stores.readonly and stores.index is not None
-        self.quarantined = stores.quarantined
-        self.damage = stores.damage
+        self.quarantined, self.damage = stores.quarantined, stores.damage
+        self.unwritable = stores.unwritable
 
     @property
     def marked(self) -> bool:
@@ -190,8 +191,9 @@ class ByteCache:
 
     def _write_failed(self, err: BaseException) -> None:
         if self._writable:
+            self.unwritable = cannot_write(err, self.path) if self.path else str(err)
             warnings.warn(
-                f"graphbuild: cannot write to the cache at {self.location} ({err}); "
+                f"graphbuild: cannot write to the cache at {self.location} ({self.unwritable}); "
                 "going on without caching",
                 RuntimeWarning,
                 stacklevel=3,
@@ -472,13 +474,15 @@ class ByteCache:
         report = self._report(corrupt=[])
         report.notes = report.notes or []
         assert report.corrupt is not None and report.notes is not None
-        if repair and self.readonly:
+        why = self.unwritable or "it is read-only"
+        if repair and self.readonly:  # a full disk too: report, and repair another time
             repair = False
-            report.notes.append(f"the cache at {self.location} is read-only: reported only")
+            report.notes.append(f"cannot write to {self.location} ({why}): reported only")
         if repair:
             self._maintainable("repair")
-        if self._index is None:
-            report.corrupt.append(f"index ({self.damage or 'cannot be opened'})")
+        if self._index is None:  # unreadable on a full disk: not known to be corrupt
+            to = report.notes if self.unwritable and not self.damage else report.corrupt
+            to.append(f"index ({self.damage or 'cannot be opened'})")
         index = self._index
         bad: set[str] = set()
         for digest, _size, _ in list(self.blobs.all()):
@@ -566,25 +570,6 @@ class ByteCache:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r})"
-
-
-def _with_remote(local: Stores, url: str, readonly: bool) -> Stores:
-    """``local`` in front of the shared cache at ``url``; ``local`` alone, with a warning,
-    when the server cannot be reached (the shared cache is an optimisation)."""
-    from graphbuild.cache.layered import layered
-    from graphbuild.cache.remote import open_remote
-
-    try:
-        remote = open_remote(url, readonly=readonly)
-    except OSError as err:
-        warnings.warn(
-            f"graphbuild: {err}; going on with the local cache", RuntimeWarning, stacklevel=4
-        )
-        return local
-    except CacheError:
-        local.close()
-        raise
-    return layered(local, remote)
 
 
 _RECORD_CHECKS = {

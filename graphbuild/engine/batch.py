@@ -4,9 +4,9 @@ A sweep exports one model N ways (presets, calibration sets, options). Run one a
 N exports share only what the cache happens to hold when each starts; here the batch keys
 every build's stages wave by wave: a stage's key is known once the digests of its upstream
 outputs are (a hit, or a job that finished), and every stage whose key is known forms the next
-wave. A key the cache holds is a hit; each other distinct key is one :class:`StageJob`, however
-many builds need it, handed to an :class:`Executor` (this process, a pool of processes, Ray
-tasks). What ``capture`` and ``to_onnx`` share across presets runs once, not N times.
+wave. A key whose entry serves (:func:`~graphbuild.engine.rebuild.decide`) is a hit; each
+other distinct key is one :class:`StageJob`, however many builds need it, handed to an
+:class:`Executor` (this process, a pool of processes, Ray tasks). What ``capture`` and ``to_onnx`` share across presets runs once, not N times.
 
 The cache is the transport: a job loads its inputs from the cache by key, builds its stage
 and stores the output there (:func:`run_job`, the rebuilder of :mod:`.scheduler` restricted
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import networkx as nx
 
 from graphbuild.engine.keying import Keys
+from graphbuild.engine.rebuild import decide
 from graphbuild.engine.scheduler import run_pipeline
 from graphbuild.engine.status import StageStatus
 from graphbuild.errors import GraphbuildError
@@ -324,10 +325,9 @@ class _Batch:
             digest, record = self.finished[key]
             self._resolve(build, name, self._shared(key, digest, record))
             return
-        manifest = self.cache.lookup(key)
-        stale = keys.stale_codecs(manifest) if manifest is not None else []
-        if manifest is not None and not stale:
-            digest = manifest["artifact"]["digest"]
+        found = decide(self.cache, key, keys)
+        if found.hit:
+            digest = found.manifest["artifact"]["digest"]  # type: ignore[index]
             self._resolve(build, name, StageOutcome(BatchStatus.HIT, key, digest))
             return
         self._submit(build, name, key)

@@ -4,11 +4,12 @@ A closure follows *names*, not whole modules. A function reaches the names it us
 defined in a file reaches the names its definition uses (a ``def`` or ``class`` body, the
 right-hand side of ``x = ...``, decorators, bases); an imported name reaches its definition
 in the module it comes from; ``import m`` reaches all of ``m``. Every file reached counts by
-its digest, installed libraries by their versions. A statement a module runs for its effect
+the digest of its code (:func:`~graphbuild.engine.sources.code_digest`: comments and
+docstrings do not count), installed libraries by their versions. A statement a module runs for its effect
 counts with the names it changes (``TABLE["k"] = ...`` with ``TABLE``); a definition that
 looks names up by string (``globals()``, ``eval``) takes the whole module, and a string that
 names a module outside graphbuild (``import_module("pkg.mod")``) takes that module.
-graphbuild's own imports by name (lazy codecs, built-in presets) and registrations into
+graphbuild's own imports by name (declared codecs, built-in presets) and registrations into
 another module are registries, which key their entries themselves (``registry.*`` reads,
 codec versions): a forward closure cannot see who registers into a registry.
 
@@ -44,6 +45,7 @@ from typing import Any
 
 from graphbuild.engine import source_memo, sources
 from graphbuild.engine.sources import (
+    code_digest,
     file_digest,
     find_file,
     is_library,
@@ -389,7 +391,8 @@ class _Closure:
             if is_library(path):
                 self.out[f"<lib {module.split('.')[0]}>"] = library_version(module)
                 continue
-            self.out[module] = self.file(path)
+            self.file(path)  # its bytes revalidate the memoized closure
+            self.out[module] = code_digest(path)
             info = self.info(path, module)
             if name is None:
                 todo.extend((module, n, False) for n in info.uses)
@@ -543,7 +546,8 @@ def _code_files(fn: Any) -> dict[str, str]:
         return found
     closure = _Closure(own=True)
     closure.run(_function_needs(fn, module, path))
-    closure.out.setdefault(module, closure.file(path))
+    closure.file(path)
+    closure.out.setdefault(module, code_digest(path))
     return _MEMO.put(key, closure)
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "tensor_tokens",
     "array_token",
     "codec_modules",
+    "declare_codecs",
 ]
 
 
@@ -135,19 +136,26 @@ def register_codec(codec: Codec, *, first: bool = True) -> Codec:
     return codec
 
 
-# Codecs whose modules import heavy libraries register on first need.
-_LAZY_CODECS = {
-    "exported_program": "graphbuild.frontend.programs",
-    "onnx": "graphbuild.onnx.codecs",
-    "bound_onnx": "graphbuild.onnx.codecs",
-}
+# codec name -> the module whose import registers it, as the layer that defines it declared
+_DECLARED: dict[str, str] = {}
 
 
-def _load_lazy_codecs(name: str | None = None) -> None:
+def declare_codecs(module: str, *names: str) -> None:
+    """Declare that importing ``module`` registers the codecs ``names``, without importing
+    it yet. A layer whose codecs import heavy libraries (torch.export, ONNX) declares them
+    from its package's ``__init__``, which every import of the layer runs: a process that
+    meets a value no registered codec takes, or a cache entry such a codec wrote, imports
+    the module then, and a codec's version (:func:`codec_modules`) is the same before and
+    after. The engine names no module above it: what it imports is what was declared."""
+    for name in names:
+        _DECLARED[name] = module
+
+
+def _load_declared(name: str | None = None) -> None:
     import importlib
 
-    for codec, module in _LAZY_CODECS.items():
-        if name is None or codec == name:
+    for codec, module in list(_DECLARED.items()):
+        if (name is None or codec == name) and codec not in _BY_NAME:
             importlib.import_module(module)
 
 
@@ -157,7 +165,7 @@ def codec_for(value: Any) -> Codec:
             if codec.accepts(value):
                 return codec
         if attempt == 0:
-            _load_lazy_codecs()
+            _load_declared()
     raise CodecError(
         f"no artifact codec for stage outputs of type {type(value).__module__}."
         f"{type(value).__qualname__}; return a JSON-able value, bytes, tensors, or register one "
@@ -195,11 +203,11 @@ def snapshot(value: Any) -> Any:
 
 
 def codec_modules() -> list[tuple[str, str, Codec | None]]:
-    """(name, module, codec or None while not loaded) of every codec graphbuild can use,
-    registered or registered on first need, by name: what a key covers of the codecs, the
-    same before and after a lazy codec is loaded."""
+    """(name, module, codec or None while not loaded) of every codec this process can use,
+    registered or declared (:func:`declare_codecs`), by name: what a codec's version covers,
+    the same before and after a declared codec is loaded."""
     out = {name: (name, type(c).__module__, c) for name, c in _BY_NAME.items()}
-    for name, module in _LAZY_CODECS.items():
+    for name, module in _DECLARED.items():
         out.setdefault(name, (name, module, None))
     return [out[n] for n in sorted(out)]
 
@@ -208,11 +216,15 @@ def decode(description: dict[str, Any], read_part: Callable[[str, int], bytes]) 
     """Rebuild a value from its manifest description, reading each blob through
     ``read_part`` (which verifies the digest)."""
     codec = _BY_NAME.get(description["codec"])
-    if codec is None and description["codec"] in _LAZY_CODECS:
-        _load_lazy_codecs(description["codec"])
+    if codec is None and description["codec"] in _DECLARED:
+        _load_declared(description["codec"])
         codec = _BY_NAME.get(description["codec"])
     if codec is None:
-        raise CodecError(f"the cache holds an artifact of unknown codec '{description['codec']}'")
+        raise CodecError(
+            f"the cache holds an artifact of codec '{description['codec']}', which this process "
+            "has neither registered nor declared: import the module that registers it "
+            "(graphbuild.engine.codecs.register_codec or declare_codecs) before loading it"
+        )
     parts = [read_part(d, s) for d, s in description["parts"]]
     children = [decode(c, read_part) for c in description["children"]]
     return codec.decode(description["meta"], parts, children)

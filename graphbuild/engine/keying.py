@@ -2,9 +2,10 @@
 
 The part of a build that both the planner and the rebuilder need, and that runs nothing:
 :func:`plan_reads` says which reads a stage's key covers; :class:`Keys` reads them (lazily,
-each facet at most once), computes the stage's code version and key, tells a stale codec
-from a current one, and explains a change against the stage's last recorded run.
-:mod:`~graphbuild.engine.plan` plans with it; :mod:`~graphbuild.engine.scheduler` runs with it.
+each facet at most once), computes the stage's code version and key, knows the versions of
+the codecs (what :mod:`~graphbuild.engine.rebuild` compares an entry's with), and explains a
+change against the stage's last recorded run. :mod:`~graphbuild.engine.plan` plans with it;
+:mod:`~graphbuild.engine.scheduler` and :mod:`~graphbuild.engine.batch` run with it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from graphbuild.engine.fingerprint import (
 from graphbuild.engine.fingerprint.registries import _REGISTRIES
 from graphbuild.engine.key import stage_key
 from graphbuild.engine.pipeline import UNKEYED_INPUT
-from graphbuild.engine.toolchain import codec_names, codec_version, toolchain_versions
+from graphbuild.engine.toolchain import (
+    TOOL_READ,
+    codec_version,
+    read_tool,
+    toolchain_versions,
+)
 from graphbuild.errors import FingerprintError
 
 if TYPE_CHECKING:
@@ -118,6 +124,8 @@ class Keys:
         if read.startswith("ctx."):
             key = read[4:]
             return read_value(self.context[key]) if key in self.context else read_value(_MISSING)
+        if read.startswith(TOOL_READ):  # a program or library the stage calls
+            return read_tool(read[len(TOOL_READ) :])
         return self.facets.read(read)
 
     def compute_key(self, name: str) -> str | None:
@@ -143,20 +151,11 @@ class Keys:
             return "", f"its code: {err}"
 
     def codec_versions(self, names: Iterable[str]) -> dict[str, str]:
+        """The current version of each codec in ``names`` (each computed once per run)."""
         for name in names:
             if name not in self._codec_versions:
                 self._codec_versions[name] = codec_version(name)
         return {n: self._codec_versions[n] for n in sorted(names)}
-
-    def stale_codecs(self, manifest: Mapping[str, Any]) -> list[str]:
-        """Codecs that wrote this entry and have changed since (a registration, an edit)."""
-        try:
-            names = codec_names(manifest["artifact"])
-            recorded = manifest.get("codecs") or {}
-        except (KeyError, TypeError, AttributeError):
-            return ["?"]
-        current = self.codec_versions(names)
-        return [n for n in sorted(names) if recorded.get(n) != current[n]]
 
     def snapshot(self, name: str) -> dict[str, Any]:
         """The explain record of stage ``name`` as its key was computed."""

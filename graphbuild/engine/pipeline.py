@@ -4,9 +4,10 @@ A stage is ``fn(inputs, sample_inputs, context)``; ``inputs`` is the tuple of it
 dependencies' outputs in the order they were declared (the pipeline input for a root stage).
 ``reads`` names what the stage's output depends on besides its inputs: context keys
 (``"ctx.opset"``) and facets of the pipeline input (``"input.structure"``, ``"input.state"``,
-``"samples.spec"``, ``"samples.values"``) and registries it consults (``"registry.recognizers"``:
-the code and configuration of every registered entry). ``None`` means "everything",
-conservatively.
+``"samples.spec"``, ``"samples.values"``), registries it consults (``"registry.recognizers"``:
+the code and configuration of every registered entry) and programs or shared libraries it
+calls (``"tool.model-converter"``: see ``engine.toolchain``). ``None`` means "everything"
+conservatively, tools aside: a stage that calls one declares it.
 """
 
 from __future__ import annotations
@@ -62,13 +63,13 @@ def _check_reads(name: str, reads: Iterable[str] | None) -> tuple[str, ...] | No
     for r in out:
         if r in ("input", "samples", UNKEYED_INPUT) or (r.startswith("ctx.") and len(r) > 4):
             continue
-        if r.startswith("registry.") and len(r) > len("registry."):
+        if any(r.startswith(p) and len(r) > len(p) for p in ("registry.", "tool.")):
             continue
         if r not in FACETS:
             raise PipelineError(
                 f"stage '{name}' declares unknown read '{r}'; use 'ctx.<key>', "
-                f"'registry.<name>', 'input', 'samples', '{UNKEYED_INPUT}' or one of: "
-                f"{', '.join(FACETS)}"
+                f"'registry.<name>', 'tool.<name>', 'input', 'samples', '{UNKEYED_INPUT}' "
+                f"or one of: {', '.join(FACETS)}"
             )
     return out
 

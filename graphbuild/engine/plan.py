@@ -1,9 +1,10 @@
 """Planning: what an export would run and why, without running anything (the public API
 behind ``graphbuild status`` and ``graphbuild explain``).
 
-The planner reads keys (:class:`~graphbuild.engine.keying.Keys`) and the cache's index, never
-a stage: as Build Systems à la Carte keeps the scheduler apart from the rebuilder, nothing
-here can run one (:mod:`~graphbuild.engine.scheduler` does)."""
+The planner reads keys (:class:`~graphbuild.engine.keying.Keys`) and asks the rebuilder's
+decision (:func:`~graphbuild.engine.rebuild.decide`) of each, never running a stage: as Build
+Systems à la Carte keeps the scheduler apart from the rebuilder, nothing here can run one
+(:mod:`~graphbuild.engine.scheduler` does)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from graphbuild.engine.events import RunReport, StageRecord
-from graphbuild.engine.explain import explain_changes, stale_reason
+from graphbuild.engine.explain import explain_changes
 from graphbuild.engine.keying import Keys
+from graphbuild.engine.rebuild import Freshness, decide
 from graphbuild.engine.status import StageStatus
 
 if TYPE_CHECKING:
@@ -47,13 +49,13 @@ def plan_status(
             continue
         key = keys.compute_key(name)
         st.record.key = key
-        manifest = cache.lookup(key, count=False) if cache is not None and key else None
-        stale = keys.stale_codecs(manifest) if manifest is not None else []
-        if stale:
-            st.record.status, st.record.reason = StageStatus.DIRTY, stale_reason(stale)
+        found = decide(cache, key, keys, count=False)
+        if found.hit:
+            st.record.status = StageStatus.HIT
+            st.record.digest = found.manifest["artifact"]["digest"]  # type: ignore[index]
             continue
-        if manifest is not None:
-            st.record.status, st.record.digest = StageStatus.HIT, manifest["artifact"]["digest"]
+        if found.freshness is Freshness.STALE:
+            st.record.status, st.record.reason = StageStatus.DIRTY, found.reason
             continue
         st.record.status = StageStatus.DIRTY
         st.record.reason, st.record.changes = keys.why(name, key)

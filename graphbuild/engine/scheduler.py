@@ -26,10 +26,11 @@ from graphbuild.engine import digest_memo, source_memo
 from graphbuild.engine.checking import check_mode
 from graphbuild.engine.codecs import encode
 from graphbuild.engine.events import Change, EventKind, RunReport, StageEvent, StageRecord
-from graphbuild.engine.explain import explain_changes, stale_reason
+from graphbuild.engine.explain import explain_changes
 from graphbuild.engine.fingerprint import InputFacets, verify_reused_digests
 from graphbuild.engine.guard import InputToken, StageContext, Tokens, check_inputs, input_tokens
 from graphbuild.engine.keying import Keys, plan_reads
+from graphbuild.engine.rebuild import decide
 from graphbuild.engine.status import StageStatus
 from graphbuild.engine.store import Cache, CorruptEntry
 from graphbuild.engine.toolchain import codec_files, codec_names, toolchain_versions
@@ -62,8 +63,10 @@ __all__ = [
 ]
 
 
-class _Run(Keys):
-    """One build of one pipeline: the rebuilder loop and lazy loading."""
+class _Run:
+    """One build of one pipeline: the scheduler's loop and lazy loading. It holds the
+    pipeline's :class:`Keys` (each stage's key and readings) and asks the rebuilder's decision
+    (:func:`~graphbuild.engine.rebuild.decide`) whether a key's entry serves."""
 
     def __init__(
         self,
@@ -87,7 +90,11 @@ class _Run(Keys):
         if unknown:
             raise KeyError(f"cannot force unknown stage(s): {', '.join(sorted(unknown))}")
         self.check = set(order) if check is True else set(check or ()) & set(order)
-        super().__init__(pipeline, pipeline_input, samples, context, cache, run_id, facets)
+        self.keys = Keys(pipeline, pipeline_input, samples, context, cache, run_id, facets)
+        self.pipeline, self.cache, self.run_id = pipeline, cache, run_id
+        self.input, self.samples, self.context = pipeline_input, samples, self.keys.context
+        self.states = self.keys.states
+        self.order = list(self.keys.order)
         # ``targets``: these stages and what they need, nothing else. What they need is
         # read, not built for the user: its hits are not counted nor recorded for explain
         self.targets = set(targets) if targets is not None else None
@@ -116,7 +123,7 @@ class _Run(Keys):
     def run(self) -> RunReport:
         t0 = time.perf_counter()
         for name in self.order:
-            st = self.begin(name)
+            st = self.keys.begin(name)
             deps = self.pipeline.dependencies(name)
             blocked = [
                 d
@@ -133,23 +140,19 @@ class _Run(Keys):
                 st.record.reason = f"upstream '{blocked[0]}' did not complete"
                 self.emit(StageEvent(EventKind.SKIPPED, name, reason=st.record.reason))
                 continue
-            key = self.compute_key(name)
+            key = self.keys.compute_key(name)
             st.record.key = key
             self._check_expected(name, key)
-            if self.cache is not None and key is not None and not self._forced(name):
-                manifest = self.cache.lookup(key, count=self._targeted(name))
-                stale = self.stale_codecs(manifest) if manifest is not None else []
-                if manifest is not None and not stale:
-                    self._hit(name, manifest)
-                    if name in self.check:
-                        self._check_hit(name)
-                    continue
-                lease = self._claim(name, key)
-                if lease is None:  # another process built it while this run waited
-                    continue
-                self._execute(name, reason=stale_reason(stale) if stale else None, lease=lease)
+            if self.cache is None or key is None or self._forced(name):
+                self._execute(name)
                 continue
-            self._execute(name)
+            claimed = self._claim(name, key)
+            if claimed is None:  # a hit: now, or once another process built it
+                if name in self.check:
+                    self._check_hit(name)
+                continue
+            lease, reason = claimed
+            self._execute(name, reason=reason, lease=lease)
         return RunReport(
             self.run_id,
             [self.states[n].record for n in self.order],
@@ -180,21 +183,31 @@ class _Run(Keys):
                 "shows what differs"
             )
 
-    def _claim(self, name: str, key: str) -> Lease | None:
-        """The lease on building ``key``, or, while another process holds it, wait for its
-        entry: the Lease to build under, or None once the entry appeared (then a hit). A
+    def _claim(self, name: str, key: str) -> tuple[Lease, str | None] | None:
+        """None once the entry under ``key`` serves (a hit, recorded): at once, or after
+        waiting while another process held the lease on building it. Else the lease to build
+        under, with why the entry there does not serve (a stale codec; None: no entry). A
         holder that dies stops renewing; its lease expires and this run takes it over."""
         assert self.cache is not None
+        lease: Lease | None = None
         waited_for: str | None = None
         pause = 0.02
         while True:
-            lease = self.cache.try_lease(key)
+            first = lease is None and waited_for is None
+            found = decide(self.cache, key, self.keys, count=first and self._targeted(name))
+            if found.hit:
+                if lease is not None:  # written while this run asked for the lease
+                    lease.release()
+                if not first:  # the lookups while asking and waiting count nothing
+                    self.cache.lookup(key)
+                self._hit(name, found.manifest)  # type: ignore[arg-type]
+                if waited_for is not None:
+                    self.states[name].record.reason = f"built by {waited_for} while this run waited"
+                return None
             if lease is not None:
-                manifest = self.cache.lookup(key, count=False)  # written while we asked
-                if manifest is None or self.stale_codecs(manifest):
-                    return lease
-                lease.release()
-            else:
+                return lease, found.reason
+            lease = self.cache.try_lease(key)
+            if lease is None:
                 holder = self.cache.lease_holder(key) or "another process"
                 if waited_for is None:
                     waited_for = holder
@@ -203,16 +216,6 @@ class _Run(Keys):
                     )
                 time.sleep(pause)
                 pause = min(pause * 1.5, 0.25)
-                manifest = self.cache.lookup(key, count=False)
-                if manifest is None or self.stale_codecs(manifest):
-                    continue
-            manifest = self.cache.lookup(key)
-            if manifest is None:
-                continue  # removed again meanwhile (pruned): try once more
-            self._hit(name, manifest)
-            if waited_for is not None:
-                self.states[name].record.reason = f"built by {waited_for} while this run waited"
-            return None
 
     def _recompute(self, name: str) -> tuple[Any, str]:
         """Run a stage whose key hit on its (loaded) inputs, guarded as :meth:`_execute`
@@ -247,11 +250,7 @@ class _Run(Keys):
         try:
             value, digest = self._recompute(name)
         except InputMutationError as err:
-            rec.status, rec.error = StageStatus.FAILED, str(err)
-            rec.seconds = time.perf_counter() - t0
-            self.stopped = name
-            self.failure = StageError(name, err, tuple(self.ran_order))
-            self.emit(StageEvent(EventKind.FAILED, name, rec.key, rec.seconds, rec.reason, err))
+            self._fail(name, err, t0)
             return
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -273,10 +272,20 @@ class _Run(Keys):
             + f"({', '.join(stage.reads) if stage.reads is not None else 'everything'}) "
             + "miss something it depends on"
         )
-        rec.status, rec.error = StageStatus.FAILED, str(err)
+        self._fail(name, err, t0)
+
+    def _fail(self, name: str, err: Exception, t0: float) -> StageError:
+        """Record that stage ``name`` failed with ``err`` after starting at ``t0`` (however it
+        ran: built, recomputed to check a hit, or to rematerialize one): its record, the
+        run's failure and the event. A stage that changed an input in place stops the run."""
+        rec = self.states[name].record
+        rec.status, rec.error = StageStatus.FAILED, f"{type(err).__name__}: {err}"
         rec.seconds = time.perf_counter() - t0
+        if isinstance(err, InputMutationError):
+            self.stopped = name
         self.failure = StageError(name, err, tuple(self.ran_order))
         self.emit(StageEvent(EventKind.FAILED, name, rec.key, rec.seconds, rec.reason, err))
+        return self.failure
 
     def _hit(self, name: str, manifest: dict[str, Any]) -> None:
         st = self.states[name]
@@ -339,13 +348,7 @@ class _Run(Keys):
         except (StageError, KeyboardInterrupt, SystemExit):
             raise  # an upstream's own failure, already recorded
         except Exception as err:
-            rec.status, rec.error = StageStatus.FAILED, f"{type(err).__name__}: {err}"
-            rec.seconds = time.perf_counter() - t0
-            if isinstance(err, InputMutationError):
-                self.stopped = name
-            self.failure = StageError(name, err, tuple(self.ran_order))
-            self.emit(StageEvent(EventKind.FAILED, name, rec.key, rec.seconds, rec.reason, err))
-            raise self.failure from err
+            raise self._fail(name, err, t0) from err
         st.value, st.has_value = value, True
         why = "recomputed: its cache entry keeps the output's digest, not its bytes"
         self.emit(StageEvent(EventKind.LOADED, name, rec.key, time.perf_counter() - t0, why))
@@ -376,7 +379,7 @@ class _Run(Keys):
             rec.status, rec.reason = StageStatus.SKIPPED, "an upstream rebuild failed"
             return False
         old_upstream = list(st.upstream)
-        key = self.compute_key(name)
+        key = self.keys.compute_key(name)
         if st.upstream != old_upstream:
             rec.key = key
         rec.reason, rec.changes = self._why(name, key, reason)
@@ -389,12 +392,7 @@ class _Run(Keys):
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as err:
-            rec.seconds = time.perf_counter() - t0
-            rec.status, rec.error = StageStatus.FAILED, f"{type(err).__name__}: {err}"
-            if isinstance(err, InputMutationError):
-                self.stopped = name
-            self.failure = StageError(name, err, tuple(self.ran_order))
-            self.emit(StageEvent(EventKind.FAILED, name, key, rec.seconds, rec.reason, err))
+            self._fail(name, err, t0)
             return False
         rec.seconds = time.perf_counter() - t0
         st.value, st.has_value = value, True
@@ -437,7 +435,7 @@ class _Run(Keys):
 
     def _manifest_record(self, name: str, encoded: Any = None) -> dict[str, Any]:
         st = self.states[name]
-        codecs = self.codec_versions(codec_names(encoded.describe())) if encoded else {}
+        codecs = self.keys.codec_versions(codec_names(encoded.describe())) if encoded else {}
         return {
             "codecs": codecs,
             "stage": name,
@@ -446,17 +444,17 @@ class _Run(Keys):
             "code": st.code,
             "reads": {r: rd.digest for r, rd in st.readings.items()},
             "upstream": st.upstream,
-            "toolchain": self.toolchain,
+            "toolchain": self.keys.toolchain,
         }
 
     def _remember(self, name: str) -> None:
         if self.cache is None or not self._targeted(name):
             return
-        last = self.last(name)
+        last = self.keys.last(name)
         rec = self.states[name].record
         if last and last.get("key") == rec.key and last.get("digest") == rec.digest:
             return
-        snap = self.snapshot(name)
+        snap = self.keys.snapshot(name)
         snap.update(status=rec.status, when=time.time(), seconds=rec.seconds, reason=rec.reason)
         snap["changes"] = [[c.read, c.old, c.new] for c in rec.changes]  # why it ran: explain
         self.cache.record_run(self.run_id, name, snap)
@@ -466,7 +464,7 @@ class _Run(Keys):
             return reason, []
         if key is not None and self._forced(name):
             return "forced", []
-        return self.why(name, key)
+        return self.keys.why(name, key)
 
 
 class LazyOutputs(Mapping[str, Any]):

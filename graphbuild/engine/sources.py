@@ -1,8 +1,10 @@
 """Where a module's source lives, and what version it is, found without importing it.
 
 A module's file is found on disk (``sys.modules`` first: ``__main__`` and modules built in
-memory exist nowhere else); a file counts by the digest of its bytes, read again only when its
-(mtime, size) changed or was too recent to vouch for its contents; an installed library (the
+memory exist nowhere else); a file is read again only when its (mtime, size) changed or was
+too recent to vouch for its contents, and counts by the digest of its code
+(:func:`code_digest`: the syntax tree without docstrings, so an edited comment, docstring or
+layout keeps every key); an installed library (the
 standard library, site-packages) counts by its distribution's version, and graphbuild's own
 modules by graphbuild's version in a model's closure. :mod:`~graphbuild.engine.closure`
 follows names through these files.
@@ -10,6 +12,7 @@ follows names through these files.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.machinery
 import importlib.metadata
@@ -26,6 +29,7 @@ from graphbuild.engine import source_memo
 from graphbuild.hashing import digest_bytes
 
 __all__ = [
+    "code_digest",
     "file_digest",
     "find_file",
     "forget",
@@ -114,6 +118,7 @@ def forget() -> None:
     _versions.clear()
     _tables.clear()
     _file_cache.clear()
+    _code_digests.clear()
     _distributions.cache_clear()
     _is_library_package.cache_clear()
     is_library.cache_clear()
@@ -144,6 +149,77 @@ def file_digest(path: str) -> str:
     digest = digest_bytes(Path(path).read_bytes())
     _file_cache[path] = (mtime, size, digest, time.time_ns() - mtime > RACY_NS)
     return digest
+
+
+# file digest -> code digest: a pure function of the bytes
+_code_digests: dict[str, str] = {}
+
+
+def code_digest(path: str) -> str:
+    """The digest of a Python file's code, not of its text: its syntax tree without
+    docstrings (:func:`source_code_digest`), so comments, docstrings and layout do not count.
+    Computed once per process and file version, and kept in the run's cache for the next
+    process (:mod:`~graphbuild.engine.source_memo`), named by the file's bytes."""
+    raw = file_digest(path)
+    known = _code_digests.get(raw)
+    if known is None:
+        key = source_memo.record_key("code", raw, file_digest(__file__))
+        found = source_memo.get(key, "code")
+        if type(found) is str:
+            known = found
+        else:
+            known = source_code_digest(Path(path).read_bytes(), path)
+            source_memo.put(key, "code", known)
+        _code_digests[raw] = known
+    return known
+
+
+def source_code_digest(source: bytes | str, filename: str = "<source>") -> str:
+    """The digest of ``source``'s syntax tree without docstrings, written out field by field
+    with empty fields left out (so the same code digests alike under the Python versions
+    graphbuild supports, whose trees differ by fields that are empty here: ``type_params``);
+    source that does not parse counts by its bytes."""
+    try:
+        tree = ast.parse(source, filename=filename)
+    except (SyntaxError, ValueError):
+        return digest_bytes(source.encode() if isinstance(source, str) else source)
+    out: list[str] = []
+    _normal_form(tree, out)
+    return digest_bytes("".join(out).encode())
+
+
+_DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _normal_form(node: Any, out: list[str]) -> None:
+    if isinstance(node, list):
+        out.append("[")
+        for item in node:
+            _normal_form(item, out)
+            out.append(",")
+        out.append("]")
+    elif isinstance(node, ast.AST):
+        out.append(f"{type(node).__name__}(")
+        for name, value in ast.iter_fields(node):
+            if name == "body" and isinstance(node, _DOCUMENTED) and _is_docstring(value[:1]):
+                value = value[1:]
+            if value is None or (isinstance(value, list) and not value):
+                continue
+            out.append(f"{name}=")
+            _normal_form(value, out)
+            out.append(",")
+        out.append(")")
+    else:
+        out.append(f"{type(node).__name__}:{node!r}")
+
+
+def _is_docstring(first: list[ast.stmt]) -> bool:
+    return (
+        bool(first)
+        and isinstance(first[0], ast.Expr)
+        and isinstance(first[0].value, ast.Constant)
+        and isinstance(first[0].value.value, str)
+    )
 
 
 def is_own(name: str) -> bool:

@@ -31,7 +31,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule
 
 from graphbuild.errors import ExportError
-from graphbuild.frontend.quantize import load_state, resolve_attr
+from graphbuild.frontend.quantize import check_no_buffer_mutation, load_state, resolve_attr
 from graphbuild.quant.markers import MARKER_TARGET, is_marker
 
 __all__ = ["Group", "Placement", "Site", "fold_weights", "place_quantizers"]
@@ -118,6 +118,7 @@ def place_quantizers(
 
     from graphbuild.frontend.capture import dynamic_shapes_of
 
+    check_no_buffer_mutation(program)
     module = _before_prepare(quantizer, program.module())
     folded = _fold_batch_norms(module)
     prepared = prepare_pt2e(module, quantizer)

@@ -12,13 +12,15 @@ import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from torchao.quantization.pt2e.quantizer import Quantizer
 
-from graphbuild.errors import ConfigError, ExportError
+from graphbuild.errors import BufferMutationError, ConfigError, ExportError
 from graphbuild.frontend.capture import dynamic_shapes_of
 from graphbuild.frontend.devices import HostState, to_device
 from graphbuild.frontend.presets import QUANTIZER_PRESETS, register_preset
@@ -26,7 +28,9 @@ from graphbuild.frontend.presets import QUANTIZER_PRESETS, register_preset
 __all__ = [
     "QUANTIZER_PRESETS",
     "Quantized",
+    "check_no_buffer_mutation",
     "load_state",
+    "mutated_buffers",
     "quantize",
     "quantize_program",
     "register_preset",
@@ -43,6 +47,72 @@ def resolve_attr(model: torch.nn.Module, target: str) -> object:
         if obj is None:
             return None
     return obj
+
+
+def check_no_buffer_mutation(program: torch.export.ExportedProgram) -> None:
+    """Refuse a program whose ``forward`` writes to buffers: PT2E calibration would run it on
+    the model's own buffers, and its observers would see a buffer's update as an activation.
+    Both quantization paths, the one-stage :func:`quantize` and the split
+    ``place_quantizers``, call this first, so the model is never run and the error names the
+    buffers and what to do."""
+    mutated = mutated_buffers(program)
+    if mutated:
+        raise BufferMutationError(mutated)
+
+
+def mutated_buffers(program: torch.export.ExportedProgram) -> tuple[str, ...]:
+    """The buffers ``program`` writes to, by state name, in graph order. A functional program
+    lists them in its signature; the one ``torch.export`` captures keeps the in-place ops
+    (``add_``, ``copy_``) on the buffer's placeholder, or on a view of it."""
+    signature = program.graph_signature
+    buffers = {
+        spec.arg.name: spec.target
+        for spec in signature.input_specs
+        if spec.kind == InputKind.BUFFER and spec.target is not None
+    }
+    found = list(signature.buffers_to_mutate.values())
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for value, arg in _schema_args(node):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            if isinstance(value, torch.fx.Node) and _alias_root(value).name in buffers:
+                found.append(buffers[_alias_root(value).name])
+    return tuple(dict.fromkeys(found))
+
+
+def _schema_args(node: torch.fx.Node) -> Iterator[tuple[Any, Any]]:
+    """(value, schema argument) for each argument of an ATen op call."""
+    for index, arg in enumerate(node.target._schema.arguments):
+        if index < len(node.args):
+            yield node.args[index], arg
+        elif arg.name in node.kwargs:
+            yield node.kwargs[arg.name], arg
+
+
+def _alias_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose storage ``node`` shares: through views and in-place ops (an op whose
+    result aliases an argument) back to a placeholder or a node that made a new tensor."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        alias = returns[0].alias_info if returns else None
+        if alias is None:
+            break
+        source = next(
+            (
+                value
+                for value, arg in _schema_args(node)
+                if isinstance(value, torch.fx.Node)
+                and arg.alias_info is not None
+                and arg.alias_info.before_set & alias.before_set
+            ),
+            None,
+        )
+        if source is None:
+            break
+        node = source
+    return node
 
 
 @dataclass(frozen=True)
@@ -103,6 +173,7 @@ def quantize(
     are copied to host memory (see ``devices``), so the result does not depend on where the
     model lives.
     """
+    check_no_buffer_mutation(program)
     resolved = resolve_quantizer(quantizer)
     sample_inputs = to_device(tuple(sample_inputs), "cpu")
     module = program.module()

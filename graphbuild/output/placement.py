@@ -40,7 +40,7 @@ from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.events import RunReport
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.store import Cache
-from graphbuild.engine.toolchain import toolchain_versions
+from graphbuild.engine.toolchain import pipeline_tools, toolchain_versions
 from graphbuild.errors import ExportError
 from graphbuild.hashing import digest_bytes, digest_json
 from graphbuild.output.directory import LOCK_FILE, check_output_directory
@@ -487,7 +487,7 @@ def _lock(
         files[f["name"]] = {"xxh3_128": f["xxh3_128"], "bytes": size}
     return {
         **placement.header,
-        "toolchain": toolchain_versions(),
+        "toolchain": {**toolchain_versions(), **pipeline_tools(pipeline)},
         "files": dict(sorted(files.items())),
         "stages": {
             s.name: {

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from graphbuild.cache.access import why_unwritable
+from graphbuild.cache.access import disk_full, why_unwritable
 from graphbuild.cache.base import Stores
 from graphbuild.cache.local.blobs import FileBlobs
 from graphbuild.cache.local.fs import Dir
@@ -188,7 +188,7 @@ def _open_writable(stores: Stores, root: Path, repair: bool) -> None:
         if _read_only_database(err):
             _open_read_only(stores, root, quiet=False)
             return
-        _write_failed(stores, err)
+        _write_failed(stores, root, err)
         return
     if not repair:
         stores.damage = str(damage)
@@ -200,14 +200,14 @@ def _open_writable(stores: Stores, root: Path, repair: bool) -> None:
         except IndexDamaged:
             pass
         except OSError as err:
-            _write_failed(stores, err)
+            _write_failed(stores, root, err)
             return
         try:
             with Dir.open_root(root) as top:
                 aside = root / top.move_aside(INDEX, "damaged")
             stores.index = DiskIndex(directory)
         except (OSError, IndexDamaged) as err:
-            _write_failed(stores, err)
+            _write_failed(stores, root, err)
             return
     stores.quarantined = aside
     warnings.warn(
@@ -249,13 +249,31 @@ def _open_read_only(stores: Stores, root: Path, *, quiet: bool) -> None:
         )
 
 
-def _write_failed(stores: Stores, err: BaseException) -> None:
+def _write_failed(stores: Stores, root: Path, err: BaseException) -> None:
+    """The index cannot be opened for writing (a full disk: SQLite writes as it opens): go
+    on without caching, but read what the cache holds through the read-only index, so a
+    full disk costs the new entries, not the hits."""
+    why = cannot_write(err, root)
     stores.readonly = True
     stores.blobs.readonly = True
     stores.damage = None
+    stores.unwritable = why
+    reading = "reading what it holds"
+    try:
+        stores.index = ReadOnlyDiskIndex(root / INDEX)
+    except (IndexDamaged, OSError) as read_err:
+        reading = f"it cannot be read either ({read_err})"
     warnings.warn(
-        f"graphbuild: cannot write to the cache at {stores.location} ({err}); "
-        "going on without caching",
+        f"graphbuild: cannot write to the cache at {stores.location} ({why}); "
+        f"going on without caching, {reading}",
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+def cannot_write(err: BaseException, path: Path) -> str:
+    """Why a write under ``path`` failed, for a warning: the full disk named when it is one,
+    with what the system said."""
+    if disk_full(err, path):
+        return f"the disk is full: {err}"
+    return str(err)

@@ -46,7 +46,9 @@ _SETTINGS = {
     "disk_min_file_size": 2**40,  # every value inside the database: no value files to plant
 }
 _KNOWN_SETTINGS = set(DEFAULT_SETTINGS) | set(METADATA)
-_TRANSIENT = ("locked", "busy", "readonly", "read-only", "unable to open", "disk i/o")
+#: SQLite errors that say the database is busy, not ours to write, or has no room to grow
+#: (SQLITE_FULL: "database or disk is full"), never that it is damaged
+_TRANSIENT = ("locked", "busy", "readonly", "read-only", "unable to open", "disk i/o", "is full")
 
 F = TypeVar("F", bound=Callable[..., Any])
 

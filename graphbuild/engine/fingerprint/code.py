@@ -13,6 +13,7 @@ import linecache
 import os
 import re
 import sys
+import textwrap
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -22,11 +23,13 @@ import torch
 from graphbuild.engine.closure import code_closure, function_files
 from graphbuild.engine.fingerprint.walk import _ACTIVE, _qualname, fingerprint, stable_text
 from graphbuild.engine.sources import (
+    code_digest,
     file_digest,
     find_file,
     is_library,
     is_own,
     library_version,
+    source_code_digest,
 )
 from graphbuild.errors import FingerprintError
 from graphbuild.hashing import digest_bytes, digest_json
@@ -47,7 +50,7 @@ def code_fingerprint(classes: Iterable[type]) -> dict[str, str]:
                 # a model built on a graphbuild class: that class's file, not all of graphbuild
                 path = find_file(base.__module__)
                 if path is not None:
-                    out[base.__module__] = file_digest(path)
+                    out[base.__module__] = code_digest(path)
             elif base.__module__ == "__main__" or not find_file(base.__module__):
                 out[f"<source {_qualname(base)}>"] = _class_source_digest(base)
     out.update(code_closure(dict.fromkeys(names)))
@@ -120,26 +123,32 @@ def _callable_version(fn: Callable) -> str:
     return digest_json(parts)
 
 
-# code object -> (digest of its file, its source): inspect.getsource tokenizes the whole
-# file, once per process and file version is enough
+# code object -> (digest of its file, its source's code digest): inspect.getsource tokenizes
+# the whole file, once per process and file version is enough
 _SOURCES: dict[types.CodeType, tuple[str, str]] = {}
 
 
 def _source(target: Any) -> str:
+    """The digest of ``target``'s source as code (comments and docstrings do not count:
+    :func:`~graphbuild.engine.sources.source_code_digest`)."""
     code = getattr(target, "__code__", None)
     if code is None:
-        return inspect.getsource(target)
+        return _code_of(inspect.getsource(target))
     try:
         version = file_digest(code.co_filename)
     except (OSError, ValueError):
-        return inspect.getsource(target)
+        return _code_of(inspect.getsource(target))
     known = _SOURCES.get(code)
     if known is not None and known[0] == version:
         return known[1]
     linecache.updatecache(code.co_filename)  # its (mtime, size) check can miss an edit
-    source = _code_source(code)
+    source = _code_of(_code_source(code))
     _SOURCES[code] = (version, source)
     return source
+
+
+def _code_of(source: str) -> str:
+    return source_code_digest(textwrap.dedent(source))
 
 
 # where a function's source starts, as inspect.findsource looks for it

@@ -41,6 +41,7 @@ from graphbuild.frontend.programs import (
 from graphbuild.frontend.reference import reference_from_model, reference_from_program
 from graphbuild.targets.base import Request, coerce_options
 from graphbuild.targets.executorch.options import FORMATS, ExecuTorchOptions
+from graphbuild.targets.executorch.tools import RUNTIME, VGF_TOOLS
 
 #: State names of a method's program: the model is the ``model`` child of the method wrapper.
 _METHOD_PREFIX = "model."
@@ -273,6 +274,8 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
         )
     p = Pipeline(name=f"{request.target}/{fmt}")
     lower_reads = ("ctx.format", "ctx.model_name", "ctx.methods", "ctx.constant_methods")
+    if fmt == "vgf":  # the TOSA serializer and Arm's model converter compile the delegate
+        lower_reads += VGF_TOOLS
     if opts.source_transform:
         cap = p.register_stage(
             capture_transformed,
@@ -297,7 +300,7 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
     p.output_files = frozenset({f"{request.model_name}.pte"})
     p.reports["delegation"] = summary.name
     if opts.check_numerics:
-        check = p.register_stage(check_numerics, "check_numerics", reads=("samples",))
+        check = p.register_stage(check_numerics, "check_numerics", reads=("samples", RUNTIME))
         if opts.quantized:
             forward = p.register_stage(quantized_forward, "quantized_forward", reads=())
             forward.depends_on(source)

@@ -31,6 +31,7 @@ from functools import partial
 from typing import Any
 
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline
+from graphbuild.engine.toolchain import Tool, register_tool
 from graphbuild.errors import ConfigError
 from graphbuild.frontend.capture import capture
 from graphbuild.frontend.devices import host_state, model_tensors
@@ -315,6 +316,20 @@ def _value_type(value: Any) -> str:
     return "string"
 
 
+#: llama.cpp's shared libraries (llama-cpp-python's), which the numerics check runs the file in
+LLAMA_CPP = register_tool(
+    Tool.package_files(
+        "llama-cpp",
+        "llama_cpp",
+        "lib/*",
+        "*.so",
+        "*.dylib",
+        "*.dll",
+        distribution="llama-cpp-python",
+    )
+)
+
+
 def check_numerics(inputs: tuple, samples: Any, context: Any) -> dict:
     """Run the file in llama.cpp on the sample token ids; compare its logits with the torch
     model run on the weights the file holds (dequantized)."""
@@ -378,7 +393,8 @@ def build_gguf_pipeline(request: Request, fmt: str | None = None) -> Pipeline:
     p.output_files = frozenset({f"{request.model_name}.gguf"})
     p.reports["coverage"] = summary.name
     if opts.check_numerics:
-        check = p.register_stage(check_numerics, "check_numerics", reads=("input", "samples"))
+        reads = ("input", "samples", LLAMA_CPP)
+        check = p.register_stage(check_numerics, "check_numerics", reads=reads)
         check.depends_on(planned, packed, gguf)
         p.reports["numerics"] = check.name
     return p

@@ -32,6 +32,7 @@ import onnx
 from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.fingerprint import register_registry
 from graphbuild.engine.pipeline import Pipeline, StageRef
+from graphbuild.engine.toolchain import Tool, register_tool
 from graphbuild.errors import CoverageError, ExportError
 from graphbuild.frontend.capture import as_args
 from graphbuild.targets.qnn.arch.targets import HtpTarget
@@ -52,6 +53,12 @@ def _backend_entries() -> dict[str, str]:
 
 
 register_registry("htp_backend", _backend_entries)
+#: the backend's own libraries, by content: a rebuilt backend of the same version reruns too
+QNN_HTP = register_tool(
+    Tool.package_files(
+        "qnn-htp", "onnxruntime_qnn", "*QnnHtp.*", "*HtpPrepare.*", "*providers_qnn.*"
+    )
+)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -308,7 +315,7 @@ def add_htp_stages(
             prep = p.register_stage(
                 functools.partial(prepare_context, **kw),
                 f"prepare_context_{t.label}",
-                reads=("ctx.model_name", HTP_BACKEND),
+                reads=("ctx.model_name", HTP_BACKEND, QNN_HTP),
             ).depends_on(bound)
             products.append(
                 p.register_stage(
@@ -321,7 +328,7 @@ def add_htp_stages(
                 p.register_stage(
                     functools.partial(check_context, **kw),
                     f"check_htp_{t.label}",
-                    reads=("samples", HTP_BACKEND),
+                    reads=("samples", HTP_BACKEND, QNN_HTP),
                 ).depends_on(prep, bound, reference)
             )
             files.update(context_file_names(model_name, t))
@@ -339,7 +346,7 @@ def add_htp_stages(
                 p.register_stage(
                     functools.partial(check_htp, htp_arch=t.htp_arch, soc_model=t.soc_model),
                     f"check_htp_{t.label}",
-                    reads=("samples", HTP_BACKEND),
+                    reads=("samples", HTP_BACKEND, QNN_HTP),
                 ).depends_on(model, reference)
             )
     report = p.register_stage(htp_report, "htp_report", reads=()).depends_on(*checks)
