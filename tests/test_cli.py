@@ -417,7 +417,7 @@ def test_graph_needs_no_config_file(tmp_path, monkeypatch):
 
 def test_targets_lists_every_target_with_its_formats_and_options():
     doc = {t["target"]: t for t in invoke_json("targets")["targets"]}
-    assert doc["qnn"]["formats"] == ["onnx", "onnx_qdq", "context"]
+    assert doc["qnn"]["formats"] == ["onnx", "onnx_qdq", "context", "llm"]
     assert doc["qnn"]["default_format"] == "onnx"
     assert "opset" in doc["qnn"]["options"] and "w8a16" in doc["qnn"]["presets"]
     assert doc["executorch"]["formats"][0] == "xnnpack"
@@ -600,7 +600,7 @@ def _bad_project(directory: Path, text: str) -> Path:
         ('model = "cli_models.py:boom"\n[options]\nopset = "17"\n', "must be an integer, got '17'"),
         (
             'model = "cli_models.py:boom"\nformat = "onnx_xyz"\n',
-            "known: qnn/context, qnn/onnx, qnn/onnx_qdq",
+            "known: qnn/context, qnn/llm, qnn/onnx, qnn/onnx_qdq",
         ),
     ],
 )

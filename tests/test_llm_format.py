@@ -19,7 +19,7 @@ from graphbuild.targets.qnn.llm.plan import make_plan
 from graphbuild.targets.qnn.llm.runner import PartRunner
 from tests.llm_models import FAMILIES, PROMPT, causal_lm, greedy_tokens, min_margin
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
 
 GEOMETRY = dict(prompt_len=4, context_len=64, parts=3)
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -73,7 +73,7 @@ def test_a_float_export_with_a_16_bit_kv_cache_generates_transformers_tokens(
     # the KV ranges of the sequence generated (a range too narrow clips, whatever the bits)
     calibration = [torch.tensor([PROMPT + expected])]
     _export(model, out, tmp_path / "cache", kv_bits=16, calibration=calibration)
-    runner, encodings = _onnx_runner(model, out)
+    runner, encodings = _onnx_runner(model, out / "cpu")
     assert {e.bits for e in encodings.values()} == {16}
     assert runner.generate(PROMPT, 32).tokens == expected
 
@@ -86,7 +86,7 @@ def test_the_graphs_with_an_8_bit_kv_cache_generate_what_the_parts_do_on_its_gri
     model = causal_lm("qwen3")
     out = tmp_path / "out"
     _export(model, out, tmp_path / "cache")
-    runner, encodings = _onnx_runner(model, out)
+    runner, encodings = _onnx_runner(model, out / "cpu")
     assert sorted(encodings) == sorted(
         f"past_{kind}_{layer}" for layer in range(3) for kind in ("key", "value")
     )
@@ -99,7 +99,7 @@ def test_the_graphs_with_an_8_bit_kv_cache_generate_what_the_parts_do_on_its_gri
 def test_the_export_places_a_prompt_and_a_token_graph_per_part(tmp_path: Path) -> None:
     out = tmp_path / "out"
     _export(causal_lm("llama"), out, tmp_path / "cache")
-    graphs = sorted(p.name for p in out.glob("*.onnx"))
+    graphs = sorted(p.name for p in (out / "cpu").glob("*_of_3.onnx"))
     assert graphs == [
         f"{kind}_ar{n}_cl64_{i}_of_3.onnx"
         for kind, n in (("prompt", 4), ("token", 1))
@@ -298,3 +298,8 @@ def test_a_quantized_bundle_reports_where_its_tokens_part_from_transformers(tmp_
         report["first_difference"]["step"] + 1 if not report["equal"] else len(report["tokens"])
     )
     assert len(report["sqnr_db"]) == compared  # the steps both sides generated from one context
+
+
+def test_sample_inputs_must_be_a_prompt_of_token_ids(tmp_path: Path) -> None:
+    message = _refused(tmp_path, data=(torch.randn(1, 9),))
+    assert "token ids" in message and "sample inputs" in message

@@ -43,6 +43,9 @@ def build_llm_pipeline(request: Request) -> Pipeline:
 
     opts = coerce_options(QnnOnnxOptions, request.options, request.target)
     model = getattr(request, "model", None)
+    # token ids, or an error now, before any stage runs
+    stages.token_prompts(None, getattr(request, "data", None))
+    stages.token_prompts(opts.calibration, None)
     specs = make_plan(
         find_causal_lm(model),
         prompt_len=opts.prompt_len,

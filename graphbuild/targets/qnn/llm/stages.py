@@ -41,6 +41,8 @@ def llm_plan(model: Any, samples: Any, context: Any) -> dict[str, Any]:
 def token_prompts(calibration: Any, samples: Any) -> list[list[int]]:
     """The calibration prompts as token id lists: each batch a tensor of token ids [1, P]
     (or a tuple holding one); without calibration, the sample prompt."""
+    if calibration is None and samples is None:
+        return []
     batches = list(calibration) if calibration else [samples]
     prompts = []
     for i, batch in enumerate(batches):
