@@ -303,3 +303,20 @@ def test_a_quantized_bundle_reports_where_its_tokens_part_from_transformers(tmp_
 def test_sample_inputs_must_be_a_prompt_of_token_ids(tmp_path: Path) -> None:
     message = _refused(tmp_path, data=(torch.randn(1, 9),))
     assert "token ids" in message and "sample inputs" in message
+
+
+def test_graphbuild_generate_prints_the_bundles_tokens(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime_genai", reason="runs the bundle (the llm extra)")
+    from typer.testing import CliRunner
+
+    from graphbuild.cli.app import app
+
+    out = tmp_path / "out"
+    _export(causal_lm("llama", layers=2), out, tmp_path / "cache")
+    prompt = " ".join(map(str, PROMPT))
+    result = CliRunner().invoke(app, ["generate", str(out / "cpu"), "--prompt", prompt, "-n", "8"])
+    assert result.exit_code == 0, result.output
+    tokens = [int(t) for t in result.output.split()]
+    assert 1 <= len(tokens) <= 8
+    bad = CliRunner().invoke(app, ["generate", str(out / "cpu"), "--prompt", "five"])
+    assert bad.exit_code == 2 and "token ids" in bad.output

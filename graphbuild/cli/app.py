@@ -15,7 +15,7 @@ import os
 
 import typer
 
-from graphbuild.cli import cache, export, graph, status, sweep
+from graphbuild.cli import cache, export, generate, graph, status, sweep
 from graphbuild.cli.output import debug_enabled, human_size, parse_age, parse_size
 from graphbuild.cli.progress import Progress
 
@@ -34,6 +34,7 @@ app.command()(status.explain)
 app.command()(graph.graph)
 app.command()(graph.targets)
 app.command()(sweep.sweep)
+app.command()(generate.generate)
 app.add_typer(cache.cache_app, name="cache")
 
 
