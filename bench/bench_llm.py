@@ -1,0 +1,131 @@
+"""Benchmark: the qnn target's llm format on a decoder of Qwen2.5-0.5B's shapes (494M parameters,
+built from a config with seeded weights: nothing downloaded), context 1024, prompt 128.
+
+One process, one fresh cache: the float export cold, warm, after a weight change in one decoder
+layer (the last part's), then the ``w8a16`` preset cold and a preset change (``w8a8``, values
+only). Each case's fraction is of its path's cold export; peak RSS (the process's high-water
+mark after the cold float export, which holds the model) is a multiple of the fp32 weights.
+
+    python bench/bench_llm.py [--parts 4] [--layers 24] [--save FILE]
+
+Targets (the issue's): warm <= 0.01 of cold; one-layer weight change <= 1/parts of cold + 0.05;
+peak RSS <= 2.5 x the fp32 weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def qwen2_0_5b(layers: int) -> Any:
+    """Qwen2.5-0.5B's shapes (tied embeddings, q/k/v biases, 14 heads over 2 KV heads)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        pad_token_id=151643,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--save", default=None, help="write the JSON document here too")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+
+    import torch
+
+    import graphbuild as gb
+
+    model = qwen2_0_5b(args.layers)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    g = torch.Generator().manual_seed(1)
+    prompt = (torch.randint(0, 151000, (1, 24), generator=g),)
+    calibration = [torch.randint(0, 151000, (1, 40), generator=g) for _ in range(2)]
+    tmp = Path(tempfile.mkdtemp(prefix="graphbuild-bench-llm-"))
+    cases: dict[str, Any] = {}
+    geometry = dict(prompt_len=args.prompt, context_len=args.context, parts=args.parts)
+
+    def run(case: str, path: str, **options: Any) -> None:
+        gc.collect()
+        t0 = time.perf_counter()
+        art = gb.export(
+            model,
+            prompt,
+            tmp / f"out-{path}",
+            "qwen",
+            target="qnn",
+            format="llm",
+            options={**geometry, **options},
+            cache=str(tmp / f"cache-{path}"),
+        )
+        seconds = time.perf_counter() - t0
+        load = os.getloadavg()[0]
+        ran = art.report.ran
+        parts = sorted({s.split(".")[0] for s in ran if s.endswith((".bind", ".graph"))})
+        cases[case] = {"seconds": seconds, "ran": len(ran), "parts_rebuilt": parts, "load": load}
+        print(f"{case:14s} {seconds:8.2f} s  load {load:.2f}  {len(ran)} ran, parts {parts}")
+
+    try:
+        run("cold", "float")
+        cases["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        run("warm", "float")
+        with torch.no_grad():
+            model.model.layers[args.layers - 1].mlp.down_proj.weight.mul_(1.01)
+        run("one_layer", "float")
+        run("preset_cold", "preset", quantizer="w8a16", calibration=calibration)
+        run("preset_change", "preset", quantizer="w8a8", calibration=calibration)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    cold, pcold = cases["cold"]["seconds"], cases["preset_cold"]["seconds"]
+    doc = {
+        "model": f"Qwen2.5-0.5B shapes, {args.layers} layers",
+        "weights_fp32_bytes": weights,
+        **geometry,
+        "cases": cases,
+        "fractions": {
+            "warm": cases["warm"]["seconds"] / cold,
+            "one_layer": cases["one_layer"]["seconds"] / cold,
+            "one_layer_target": 1 / args.parts + 0.05,
+            "preset_change": cases["preset_change"]["seconds"] / pcold,
+        },
+        "peak_rss_x_weights": cases["peak_rss_bytes"] / weights,
+    }
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.save:
+        Path(args.save).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
