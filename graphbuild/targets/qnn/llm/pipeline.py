@@ -84,7 +84,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
         opts, check_numerics=False, check_htp=False, input_names=None, output_names=None
     )
     sub_request = _SubRequest(request.target, "onnx_qdq", request.model_name, sub_opts)
-    products = []
+    products, coverages, graph_names = [], [], []
     for index in range(1, len(specs) + 1):
         state = p.register_stage(
             functools.partial(stages.part_state, index), f"p{index}.state", reads=("input.state",)
@@ -110,6 +110,17 @@ def build_llm_pipeline(request: Request) -> Pipeline:
                 reads=("ctx.kv_bits",),
             ).depends_on(names["bind"], kv, view)
             products.append(graph.name)
+            coverages.append(names["coverage"])
+            graph_names.append(
+                specs[index - 1].graph_name(
+                    kind, opts.prompt_len if kind == "prompt" else 1, opts.context_len
+                )
+            )
+    coverage = p.register_stage(
+        functools.partial(stages.coverage_summary, tuple(graph_names)), "coverage", reads=()
+    )
+    coverage.depends_on(*coverages)
+    p.reports["coverage"] = coverage.name
     files = {
         f"{CPU}/{spec.graph_name(kind, opts.prompt_len if kind == 'prompt' else 1, opts.context_len)}.onnx"
         for spec in specs

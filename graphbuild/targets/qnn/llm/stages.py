@@ -131,3 +131,28 @@ def kv_graph(index: int, kind: str, inputs: tuple, samples: Any, context: Any) -
     if plan.spec(index).layers:
         bound = quantize_kv_io(bound, encodings, context["kv_bits"])
     return {f"{CPU}/{plan.graph_name(index, kind)}.onnx": bound}
+
+
+def coverage_summary(
+    names: tuple[str, ...], inputs: tuple, samples: Any, context: Any
+) -> dict[str, Any]:
+    """The part graphs' coverage reports (of the graphs ``names``) as one: the totals, each
+    graph's summary, and every tensor left float, named with its graph."""
+    expected = quantized = 0
+    graphs: dict[str, str] = {}
+    left: list[str] = []
+    for name, report in zip(names, inputs, strict=True):
+        expected += int(report.get("expected", 0))
+        quantized += int(report.get("quantized", 0))
+        graphs[name] = report.get("summary", "")
+        left += [f"{name}: {t}" for t in report.get("float", [])]
+    summary = (
+        f"{quantized}/{expected} tensors quantized as QNN HTP runs them in {len(graphs)} graphs"
+    )
+    return {
+        "summary": summary,
+        "expected": expected,
+        "quantized": quantized,
+        "float": left,
+        "graphs": graphs,
+    }
