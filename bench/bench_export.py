@@ -111,7 +111,7 @@ TARGETS = {
 MEMORY_TARGET = 3.0
 LARGE_MEMORY_TARGET = 2.5  # peak RSS of the cold export over fp32 weight bytes, at 787M
 
-# DESIGN.md's rerun table, as (stages that must be hit or cutoff, stages that must have run)
+# docs/design.md's rerun table, as (stages that must be hit or cutoff, stages that must have run)
 RERUN_TABLE = {
     "warm": (("capture", "normalize", "to_onnx", "lower_markers", "bind", "encodings"), ()),
     # activation scales only: in qnn/onnx the bound float model does not change (bind cuts off)
@@ -119,7 +119,7 @@ RERUN_TABLE = {
     "weights": (("capture", "to_onnx"), ("bind",)),
     "encodings": (("capture", "normalize", "to_onnx", "lower_markers", "bind"), ("encodings",)),
     "opset": (("capture", "normalize"), ("to_onnx",)),
-    # DESIGN.md invariant 13: a preset change and a range method recompute values only; a
+    # docs/design.md invariant 13: a preset change and a range method recompute values only; a
     # recalibration reruns the forward passes and nothing structural
     "preset": (
         ("capture", "place_quantizers", "calibrate", "weight_stats", "to_onnx"),

@@ -1,4 +1,4 @@
-"""A cache entry is data, never instructions (DESIGN.md, invariant 11).
+"""A cache entry is data, never instructions (docs/design.md, invariant 11).
 
 Whoever can write to a shared cache must not be able to make a victim's export write or delete
 a file outside the cache and output directories: manifests are checked against their own

@@ -52,7 +52,7 @@ STAGES = [
     "coverage",
 ]
 # what a preset change may rerun: the stages that read the preset and their dependents
-# (DESIGN.md invariant 13: values, never the placement, the statistics or the ONNX export)
+# (docs/design.md invariant 13: values, never the placement, the statistics or the ONNX export)
 PRESET_DEPENDENTS = {
     "quant_map",
     "qparams",

@@ -1,7 +1,7 @@
 """Faults: killed and concurrent exports, a damaged or unwritable cache, an edited model file,
 and hostile configuration files and command lines.
 
-Invariants under test (DESIGN.md): a corrupt or missing cache entry is a miss, rebuilt and
+Invariants under test (docs/design.md): a corrupt or missing cache entry is a miss, rebuilt and
 counted, never an error and never a wrong output (6); outputs appear whole or not at all, and a
 failed or killed export leaves the output directory as it was (8); a cache that cannot be
 written warns once and the run goes on uncached; bad input is exit code 2 with a message,

@@ -1,4 +1,4 @@
-"""Keys depend on content only (DESIGN.md, invariant 10): the same model, samples and options
+"""Keys depend on content only (docs/design.md, invariant 10): the same model, samples and options
 give the same keys in any process, whatever its hash seed and whatever it imported first.
 
 The zoo: the examples, a pre-quantized ConvNet, transformers GPT-2, Llama and BERT from tiny

@@ -1,4 +1,4 @@
-"""Keys that travel (DESIGN.md, invariant 10): the same model, samples and options give the
+"""Keys that travel (docs/design.md, invariant 10): the same model, samples and options give the
 same keys under another build of the same Python minor version and after installing an
 extra; a program digests the same computed in the process or loaded from the cache; a fresh
 process takes from the cache what it would otherwise parse again, and never a summary of a

@@ -1,4 +1,4 @@
-"""DESIGN.md's rerun table: after each kind of change, exactly these stages rerun."""
+"""docs/design.md's rerun table: after each kind of change, exactly these stages rerun."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Retuning a preset export: quantization is structure, then statistics, then values
-(DESIGN.md, invariant 13).
+(docs/design.md, invariant 13).
 
 A preset change and a range method change recompute values only (no trace, no calibration
 pass), a recalibration reruns the forward passes and nothing structural, a weight change

@@ -1,4 +1,4 @@
-"""One cache for a whole team (DESIGN.md, invariant 10): clones of the project at different
+"""One cache for a whole team (docs/design.md, invariant 10): clones of the project at different
 paths, a second user and a second build of the same Python minor version share one local
 cache directory and one Redis server, and every export after the first is all hits with
 byte-identical files.

@@ -1,4 +1,4 @@
-"""What a cache holds is untrusted (DESIGN.md, invariant 11): nothing read from it blocks, no
+"""What a cache holds is untrusted (docs/design.md, invariant 11): nothing read from it blocks, no
 read holds more than the manifest says the blob is, and ``cache verify`` checks every kind
 of record the store keeps, exiting 1 when it found one corrupt."""
 

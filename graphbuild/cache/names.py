@@ -1,7 +1,7 @@
 """What the cache accepts as a name: digests and plain file names.
 
 Everything read from a cache (a manifest, an index row, a placement stamp, a remote entry) is
-untrusted data (DESIGN.md, invariant 11). Nothing read there may decide a path until it has
+untrusted data (docs/design.md, invariant 11). Nothing read there may decide a path until it has
 passed one of these checks.
 """
 

@@ -117,7 +117,7 @@ class Codec:
     def snapshot(self, value: Any) -> Any:
         """A token of ``value``'s current contents: equal before and after a stage runs
         unless the stage changed the value in place, by any means (the scheduler compares
-        them; DESIGN.md, invariant 9). Tensors and arrays count by a digest of their bytes,
+        them; docs/design.md, invariant 9). Tensors and arrays count by a digest of their bytes,
         not by a version counter that ``.data`` or a numpy view bypasses. Compared within
         one process only, so identities may appear in it. None: the codec cannot tell."""
         return None

@@ -3,7 +3,7 @@ was handed.
 
 :class:`StageContext` is the ``context`` a stage receives, limited to its declared reads;
 :func:`input_tokens` and :func:`check_inputs` take tokens of its inputs before it runs and
-compare them after (DESIGN.md, invariant 9).
+compare them after (docs/design.md, invariant 9).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def check_inputs(
     recorded: Callable[[str], str | None],
     tokens: Tokens | None = None,
 ) -> None:
-    """Inputs are read-only (DESIGN.md, invariant 9): a stage that changed what it was
+    """Inputs are read-only (docs/design.md, invariant 9): a stage that changed what it was
     handed in place fails, naming itself and what it changed. With ``full`` (check mode)
     every upstream output is also re-encoded and must still have the digest its upstream
     recorded (``recorded(stage)``). ``tokens`` keeps what each check found for the next

@@ -113,7 +113,7 @@ class Pipeline:
         self._products: list[str] | None = None
         # File names a product may be placed under (FileArtifact outputs); None: any plain
         # name that starts with the model name and a dot. A name read from a cache is
-        # placed only when it is one of these (DESIGN.md, invariant 11).
+        # placed only when it is one of these (docs/design.md, invariant 11).
         self.output_files: frozenset[str] | None = None
         self._order = itertools.count()
         #: report name -> stage whose output an export puts in ``RunReport.extra`` under that

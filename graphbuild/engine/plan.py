@@ -141,7 +141,7 @@ def stage_inputs(
     """For every stage, what its key covers besides its upstream outputs: its code version
     and the digest of each declared read (``"uncacheable: <reason>"`` where there is none).
     Nothing runs and no cache is read. For the same model, samples and options these are
-    the same in every process (DESIGN.md, invariant 10): compare them to find a read that
+    the same in every process (docs/design.md, invariant 10): compare them to find a read that
     is not."""
     keys = Keys(pipeline, pipeline_input, samples, context, None, "plan")
     out: dict[str, dict[str, Any]] = {}

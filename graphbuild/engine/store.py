@@ -74,7 +74,7 @@ class Cache(ByteCache, LeaseHolding):
         """Keep up to ``max_bytes`` of decoded outputs in this process, by artifact digest, so
         that a later run reading the same artifact takes it from memory (one export keeps its
         values for its own run anyway; many runs over one cache, a sweep's jobs, reread
-        them). Sound because artifacts are content-addressed and read-only (DESIGN.md,
+        them). Sound because artifacts are content-addressed and read-only (docs/design.md,
         invariant 9). Only what was decoded is kept, never a value as a stage returned it:
         every reader gets the artifact in the one form a load gives, whichever process made
         it. None: keep none (the default)."""

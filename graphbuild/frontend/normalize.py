@@ -5,7 +5,7 @@ becomes ``graphbuild::q(x, qid)``. The result is a *marker graph* that carries n
 values: literal scales vanish with their nodes, and scale/zero-point state that only fed
 quantizers is removed from the graph, the signature, the state dict and the constants. What a
 quantizer *is* (bits, grid, axis, where its values live) goes to the :class:`QuantMap`; what its
-values *are* is read later by :mod:`graphbuild.frontend.qvalues` (DESIGN.md, invariant 5).
+values *are* is read later by :mod:`graphbuild.frontend.qvalues` (docs/design.md, invariant 5).
 
 What counts as a quantizer is up to the recognisers (:mod:`graphbuild.frontend.recognizers`,
 pluggable with :func:`register_recognizer`). An op that looks like a quantizer and that no

@@ -1,4 +1,4 @@
-"""Placing quantizers: the structure half of PT2E quantization (DESIGN.md, invariant 13).
+"""Placing quantizers: the structure half of PT2E quantization (docs/design.md, invariant 13).
 
 Where the quantizers of a PT2E quantizer sit depends on the program and on which tensors the
 quantizer quantizes, never on calibration data or weight values. So this step runs

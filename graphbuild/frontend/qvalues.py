@@ -1,6 +1,6 @@
 """Quantizer values: scales and zero points read from a program, its state, or the model.
 
-The marker graph carries none of them (DESIGN.md, invariant 5); the quant map says where each
+The marker graph carries none of them (docs/design.md, invariant 5); the quant map says where each
 quantizer's values live (:class:`ValueRef`), and these functions read them: literal values
 written into the graph itself (:func:`fixed_values`), a pre-quantized model's state
 (:func:`qvalues_from`), or a PT2E-calibrated program (:func:`collect_qvalues`).
@@ -31,7 +31,7 @@ __all__ = [
 
 #: The ATen ops (functional ``name.overload``) a ``computed`` value may use: pure arithmetic
 #: on scales and offsets. Anything else is refused, so a quant map read from the cache can
-#: make graphbuild call nothing but these (DESIGN.md, invariant 7).
+#: make graphbuild call nothing but these (docs/design.md, invariant 7).
 VALUE_OPS = frozenset(
     {
         "abs.default",

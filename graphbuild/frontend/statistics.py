@@ -1,4 +1,4 @@
-"""Calibration statistics: the data half of PT2E quantization (DESIGN.md, invariant 13).
+"""Calibration statistics: the data half of PT2E quantization (docs/design.md, invariant 13).
 
 Statistics depend on the calibration data and the weights, never on bit-widths: they are what
 a recalibration recomputes and what a preset change reuses. Per observer group (see

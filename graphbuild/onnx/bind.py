@@ -8,7 +8,7 @@ Two kinds of references are filled (see :mod:`graphbuild.onnx.skeleton` and
   the quantizer recorded in the initializer's ``metadata_props``.
 
 Binding copies bytes at most (state is shared zero-copy when contiguous); the graph itself is
-untouched, so retuned weights or scales never re-run the exporter (DESIGN.md, invariant 5).
+untouched, so retuned weights or scales never re-run the exporter (docs/design.md, invariant 5).
 """
 
 from __future__ import annotations

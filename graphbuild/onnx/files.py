@@ -10,7 +10,7 @@ replaced) is written from memory instead. Where the file system does not share b
 tmpfs) a range copy moves the bytes as a write does, and reading it back makes it dearer than
 writing the tensor, which is in memory: every payload is written. A file of one payload that an
 intact previous file holds whole is hard-linked (:func:`link_atomic`). The bytes are always
-what a full write gives, and nothing unverified reaches them (DESIGN.md, invariant 8).
+what a full write gives, and nothing unverified reaches them (docs/design.md, invariant 8).
 
 A large file is streamed to disk as it is written (:class:`~graphbuild.onnx.filesystem.Streamer`):
 its ranges go to the disk as they are written and leave the page cache once there, so writing

@@ -4,7 +4,7 @@ The skeleton holds the graph, the lifted tensor constants (code, not state) and,
 parameter and buffer, a *data-less* external reference (location :data:`STATE_LOCATION`,
 initializer name = the state tensor's fully qualified name) that :func:`graphbuild.onnx.bind.bind`
 fills later. Weights never enter the skeleton, so retuning weights or quantizer values never
-re-runs the exporter (DESIGN.md, invariant 5).
+re-runs the exporter (docs/design.md, invariant 5).
 """
 
 from __future__ import annotations

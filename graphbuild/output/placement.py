@@ -16,7 +16,7 @@ an edited file contributes nothing it should not.
 
 Names read from the cache decide no path by themselves: a file artifact's name must be a plain
 name the pipeline declares (``Pipeline.output_files``; by default ``<model_name>.*``), and a
-placement stamp naming anything else is ignored (DESIGN.md, invariant 11).
+placement stamp naming anything else is ignored (docs/design.md, invariant 11).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``normalize`` produces a :class:`QuantMap` (structure: bits, grid, axis, which tensor) and a
 :class:`QuantValues` (scales and zero points). Keeping them apart is what lets a retuned scale
-skip tracing and ONNX conversion (DESIGN.md, invariant 5).
+skip tracing and ONNX conversion (docs/design.md, invariant 5).
 """
 
 from __future__ import annotations

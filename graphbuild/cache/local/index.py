@@ -2,7 +2,7 @@
 
 diskcache pickles anything that is not str, bytes, int or float, and unpickles whatever a row
 says is pickled. :class:`JsonOnlyDisk` refuses both ways, so a pickle planted in the database
-is reported as a corrupt entry and never executed (DESIGN.md, invariant 7). Values are kept
+is reported as a corrupt entry and never executed (docs/design.md, invariant 7). Values are kept
 inside the database (never as separate files); a row of an older cache naming a value file is
 read or removed only when its name is one diskcache itself generates (``ab/cd/<28 hex>.val``),
 through directories opened without following links.

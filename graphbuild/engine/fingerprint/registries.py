@@ -11,7 +11,7 @@ from graphbuild.errors import FingerprintError
 from graphbuild.hashing import digest_json
 
 #: Registries that stages consult, by name: a stage that declares ``"registry.<name>"`` keys
-#: on the code and configuration of every entry (DESIGN.md, invariant 9).
+#: on the code and configuration of every entry (docs/design.md, invariant 9).
 _REGISTRIES: dict[str, Callable[[], Iterable[Any]]] = {}
 
 

@@ -1,6 +1,6 @@
 """Write QNN encodings (1.0.0, 0.6.1, 2.0.0) from a quant map and its current values.
 
-A quantizer is ``x = s * (q - z)`` with ``q`` in ``[qmin, qmax]`` (DESIGN.md, "QNN encodings
+A quantizer is ``x = s * (q - z)`` with ``q`` in ``[qmin, qmax]`` (docs/design.md, "QNN encodings
 formats"). QNN's 1.0.0 and 0.6.1 store an *offset* on the unsigned grid instead of ``z``; 2.0.0
 stores ``z`` itself, as ONNX QuantizeLinear does.
 

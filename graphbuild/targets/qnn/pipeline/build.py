@@ -13,7 +13,7 @@ adds the HTP check to the others with ``check_htp``).
     lower_markers -> htp_view (the lowered graph as the rules see it) -> coverage
 
 Structure (capture, normalize, to_onnx, lower_markers, htp_view) never reads weight or quantizer
-values; values enter at qparams, bind and encodings (DESIGN.md, invariant 5).
+values; values enter at qparams, bind and encodings (docs/design.md, invariant 5).
 
 This module wires the stages; they are in :mod:`.quantize` (the one-stage path),
 :mod:`.placement` and :mod:`.values` (a preset's split), :mod:`.lower` (the ONNX model),
@@ -62,7 +62,7 @@ from graphbuild.targets.qnn.pipeline.quantize import (
 def build_qnn_pipeline(
     request: Request, fmt: str | None = None, *, split: bool | None = None
 ) -> Pipeline:
-    """The reference plan of DESIGN.md for ``qnn/onnx`` and ``qnn/onnx_qdq``. ``fmt`` picks
+    """The reference plan of docs/design.md for ``qnn/onnx`` and ``qnn/onnx_qdq``. ``fmt`` picks
     the ONNX flavour when a custom format builds on this pipeline (default: the request's).
 
     A built-in preset quantizes in three parts, structure, statistics and values

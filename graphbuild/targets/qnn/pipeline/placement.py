@@ -1,4 +1,4 @@
-"""The QNN presets' quantization as structure, then statistics, then values (DESIGN.md,
+"""The QNN presets' quantization as structure, then statistics, then values (docs/design.md,
 invariant 13).
 
 ::

@@ -306,7 +306,7 @@ def observer_rules(
     """For every observer module of ``prepared`` (``prepare_pt2e`` with ``quantizer``), the
     HTP rule of the tensor it observes under each of ``presets``: the presets quantize the
     same tensors with other bit-widths and symmetries, so one placement serves them all and
-    a preset change recomputes values only (DESIGN.md, invariant 13). An
+    a preset change recomputes values only (docs/design.md, invariant 13). An
     :class:`ExportError` names a tensor the presets would place differently."""
     placed: _Placed | None = getattr(quantizer, "placed", None)
     if placed is None:

@@ -34,7 +34,7 @@ five forms differ from what the lowering writes by itself:
    output's encoding: exact, since rounding onto a grid that holds 0 commutes with the Relu.
 
 The encodings file needs none of this: QNN's converter derives the same forms from it, and
-the grids, hence the values, are the same (DESIGN.md's offset is ``-z`` unsigned,
+the grids, hence the values, are the same (docs/design.md's offset is ``-z`` unsigned,
 ``-2^(b-1) - z`` signed: the same number for both containers).
 
 The pass runs on the lowered, still data-less model (scales and zero points are references

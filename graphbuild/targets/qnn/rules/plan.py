@@ -31,7 +31,7 @@ Rules, in AIMET's order:
 5. Tied quantizers (one encoding for several tensors): Relu, AveragePool and Resize outputs share
    their input's; Concat's inputs share its output's.
 
-Where the HTP backend and AIMET differ, the HTP wins (DESIGN.md, invariant 12). One rule is
+Where the HTP backend and AIMET differ, the HTP wins (docs/design.md, invariant 12). One rule is
 the HTP's alone: a Softmax's input has a step of at least :data:`SOFTMAX_MIN_INPUT_SCALE`. The
 HTP's 16-bit Softmax computes garbage from a finer input grid (a step below about 2^-18.5, a
 +-0.06 range: attention scores of a random-initialised transformer; 2,000 output steps off
