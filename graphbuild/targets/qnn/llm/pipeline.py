@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from graphbuild.engine.pipeline import Pipeline, StageRef
+from graphbuild.errors import ConfigError
 from graphbuild.targets.base import Request, coerce_options
 from graphbuild.targets.qnn.arch.targets import HtpTarget
 from graphbuild.targets.qnn.htp_runtime.shared_weights import require_weight_sharing
@@ -48,7 +49,13 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     model = getattr(request, "model", None)
     targets = opts.htp_targets() if opts.contexts else ()
     for t in targets:  # before any work: contexts share weights from v73 on
-        require_weight_sharing(t)
+        try:
+            require_weight_sharing(t)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"contexts = true prepares each part's graphs into one weight-shared context: "
+                f"{exc}. Set htp_arch to v73 or later, or contexts = false"
+            ) from exc
     layout = make_plan(
         find_causal_lm(model),
         prompt_len=opts.prompt_len,
