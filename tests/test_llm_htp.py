@@ -172,3 +172,39 @@ def test_an_arch_without_weight_sharing_is_refused_before_any_stage(tmp_path: Pa
     assert "v69" in str(err.value) and "contexts = false" in str(err.value)
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.json"))
+
+
+@needs_htp
+def test_the_part_graphs_on_the_htp_simulator_generate_what_they_do_on_the_cpu(
+    tmp_path: Path,
+) -> None:
+    """The QDQ part graphs the contexts are prepared from, each compiled on its own for v73
+    (the x86 simulator cannot load a weight-shared binary), generate the CPU's 12 greedy
+    tokens through the llm format's runner."""
+    from graphbuild.targets.qnn.arch.targets import HtpTarget
+    from graphbuild.targets.qnn.htp_runtime import open_session
+    from graphbuild.targets.qnn.llm.adapters import find_causal_lm
+    from graphbuild.targets.qnn.llm.ort_runner import onnx_caller
+    from graphbuild.targets.qnn.llm.plan import make_plan
+    from graphbuild.targets.qnn.llm.runner import PartRunner
+
+    model = causal_lm("llama", layers=2)
+    _export(model, tmp_path / "out", tmp_path / "cache")
+    lm = find_causal_lm(model)
+    plan = make_plan(
+        lm, prompt_len=4, context_len=64, parts=3, max_part_bytes=None, quantizer="w8a16"
+    )
+    target = HtpTarget.of("v73")
+
+    def generate(factory) -> tuple[list[int], np.ndarray]:
+        call, kv = onnx_caller(tmp_path / "out" / "cpu", plan, session_factory=factory)
+        runner = PartRunner(lm, plan.specs, 4, 64, kv_encodings=kv, caller=call)
+        out = runner.generate(PROMPT, 12)
+        return out.tokens, torch.stack(list(out.logits)).numpy()
+
+    cpu_tokens, cpu_logits = generate(None)
+    htp_tokens, htp_logits = generate(lambda path: open_session(path, target).session)
+    assert htp_tokens == cpu_tokens
+    error = htp_logits - cpu_logits
+    sqnr = 10 * np.log10(np.sum(cpu_logits**2) / np.sum(error**2))
+    assert sqnr > 20, sqnr
