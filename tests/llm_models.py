@@ -15,16 +15,24 @@ PROMPT = [5, 17, 33, 9, 100, 42, 7, 64, 3]
 
 
 def causal_lm(
-    family: str, *, layers: int = 3, seed: int | None = None, vocab: int = 256
+    family: str,
+    *,
+    layers: int = 3,
+    seed: int | None = None,
+    vocab: int = 256,
+    hidden: int = 64,
+    intermediate: int = 128,
 ) -> torch.nn.Module:
     """A ``*ForCausalLM`` of ``family``: GQA (4 heads, 2 KV heads); Qwen2 with tied
-    embeddings and q/k/v biases, Qwen3 with per-head q/k norms, Phi-3 with fused projections."""
+    embeddings and q/k/v biases, Qwen3 with per-head q/k norms, Phi-3 with fused projections.
+    ``hidden`` and ``intermediate`` widen it where a test needs weights to outweigh what a
+    runtime adds around them."""
     import transformers as t
 
     common = dict(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -64,6 +64,10 @@ class QnnOnnxOptions:
     ``layer_overrides`` (module pattern -> ``"float"``, ``"w4"``, ``"a8"``, ``"w4a16"``...)
     changes what a preset does in the matched modules
     (:mod:`graphbuild.targets.qnn.presets.overrides`).
+
+    ``contexts`` (the ``llm`` format) also prepares each part's prompt and token graphs into
+    one weight-shared QNN context binary per target of ``htp_arch`` (v73 or later), with the
+    onnxruntime-genai (``htp/``) and Genie (``genie/``) configurations that run them.
     """
 
     opset: int = 21
@@ -92,6 +96,7 @@ class QnnOnnxOptions:
     max_part_bytes: int | None = None
     kv_bits: int = 8
     calibration_steps: int = 8
+    contexts: bool = False
 
     def __post_init__(self) -> None:
         if self.encodings_version not in ENCODINGS_VERSIONS:
@@ -258,6 +263,7 @@ CONFIG_SCHEMA: dict[str, OptionType] = {
     "max_part_bytes": INT,
     "kv_bits": INT,
     "calibration_steps": INT,
+    "contexts": BOOL,
     "layer_overrides": OptionType(
         "a table of module pattern = setting ('float', 'w4', 'a8', 'w4a16', ...)",
         lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),

@@ -89,8 +89,16 @@ def cpu_bundle(inputs: tuple, samples: Any, context: Any) -> dict[str, FileArtif
     """``cpu/genai_config.json`` and ``cpu/position-processor.onnx``; the graphs beside them
     are the ``p<i>.<kind>.graph`` products."""
     plan_json, rotary_json = inputs
-    plan = LlmPlan.from_json(plan_json)
-    bits = context["kv_bits"]
+    return genai_bundle_files(
+        CPU, LlmPlan.from_json(plan_json), rotary_json, Session.cpu(), context["kv_bits"]
+    )
+
+
+def genai_bundle_files(
+    folder: str, plan: LlmPlan, rotary_json: dict[str, Any], session: Session, bits: int
+) -> dict[str, FileArtifact]:
+    """``<folder>/genai_config.json`` (every part graph on ``session``) and
+    ``<folder>/position-processor.onnx``: the files of a genai bundle besides its graphs."""
     if bits != 8:
         raise ConfigError(
             f"onnxruntime-genai keeps an 8-bit KV cache only, not kv_bits = {bits}: export the "
@@ -103,11 +111,11 @@ def cpu_bundle(inputs: tuple, samples: Any, context: Any) -> dict[str, FileArtif
         attention_scaling=rotary_json["scaling"],
         mask_value=MASK_MIN,
     )
-    config = genai_config(genai_facts(plan), pipeline_entries(plan, Session.cpu()))
+    config = genai_config(genai_facts(plan), pipeline_entries(plan, session))
     text = json.dumps(config, indent=2, sort_keys=False) + "\n"  # entry order is run order
     return {
-        f"{CPU}/{CONFIG_NAME}": FileArtifact(f"{CPU}/{CONFIG_NAME}", text.encode()),
-        f"{CPU}/{PROCESSOR}": FileArtifact(
-            f"{CPU}/{PROCESSOR}", processor.SerializeToString(deterministic=True)
+        f"{folder}/{CONFIG_NAME}": FileArtifact(f"{folder}/{CONFIG_NAME}", text.encode()),
+        f"{folder}/{PROCESSOR}": FileArtifact(
+            f"{folder}/{PROCESSOR}", processor.SerializeToString(deterministic=True)
         ),
     }

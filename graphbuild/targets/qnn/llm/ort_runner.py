@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,15 @@ def kv_encodings(model: onnx.ModelProto) -> dict[str, KvEncoding]:
 
 
 def onnx_caller(
-    directory: Path, plan: LlmPlan, providers: list[Any] | None = None
+    directory: Path,
+    plan: LlmPlan,
+    providers: list[Any] | None = None,
+    session_factory: Callable[[Path], Any] | None = None,
 ) -> tuple[Caller, dict[str, KvEncoding]]:
     """A caller running the part graphs in ``directory`` with onnxruntime, and the KV
-    encodings they declare (for the runner to keep its cache on their grids)."""
+    encodings they declare (for the runner to keep its cache on their grids).
+    ``session_factory`` opens a graph's ``InferenceSession`` from its path where
+    ``providers`` cannot say how (a plugin execution provider: QNN's HTP, say)."""
     import onnxruntime as ort
 
     sessions: dict[tuple[int, str], Any] = {}
@@ -54,8 +60,12 @@ def onnx_caller(
         for kind in ("prompt", "token"):
             path = directory / f"{plan.graph_name(spec.index, kind)}.onnx"
             encodings.update(kv_encodings(onnx.load(os.fspath(path), load_external_data=False)))
-            sessions[spec.index, kind] = ort.InferenceSession(
-                os.fspath(path), options, providers=providers or ["CPUExecutionProvider"]
+            sessions[spec.index, kind] = (
+                session_factory(path)
+                if session_factory is not None
+                else ort.InferenceSession(
+                    os.fspath(path), options, providers=providers or ["CPUExecutionProvider"]
+                )
             )
 
     def call(spec: Any, kind: str, inputs: tuple[torch.Tensor, ...]) -> Any:

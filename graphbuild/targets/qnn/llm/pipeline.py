@@ -20,12 +20,16 @@ changed); a retune reruns values only; ``prompt_len`` / ``context_len`` change t
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from graphbuild.engine.pipeline import Pipeline
+from graphbuild.engine.pipeline import Pipeline, StageRef
+from graphbuild.errors import ConfigError
 from graphbuild.targets.base import Request, coerce_options
-from graphbuild.targets.qnn.llm import bundle, stages
+from graphbuild.targets.qnn.arch.targets import HtpTarget
+from graphbuild.targets.qnn.htp_runtime.shared_weights import require_weight_sharing
+from graphbuild.targets.qnn.llm import bundle, htp_bundle, stages
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.bundle import CPU
 from graphbuild.targets.qnn.llm.check import check_generation
@@ -46,14 +50,24 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     # token ids, or an error now, before any stage runs
     stages.token_prompts(None, getattr(request, "data", None))
     stages.token_prompts(opts.calibration, None)
-    specs = make_plan(
+    targets = opts.htp_targets() if opts.contexts else ()
+    for t in targets:  # before any work: contexts share weights from v73 on
+        try:
+            require_weight_sharing(t)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"contexts = true prepares each part's graphs into one weight-shared context: "
+                f"{exc}. Set htp_arch to v73 or later, or contexts = false"
+            ) from exc
+    layout = make_plan(
         find_causal_lm(model),
         prompt_len=opts.prompt_len,
         context_len=opts.context_len,
         parts=opts.parts,
         max_part_bytes=opts.max_part_bytes,
         quantizer=opts.quantizer,
-    ).specs
+    )
+    specs = layout.specs
     p = Pipeline(name=f"{request.target}/llm")
     plan = p.register_stage(
         stages.llm_plan,
@@ -84,7 +98,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
         opts, check_numerics=False, check_htp=False, input_names=None, output_names=None
     )
     sub_request = _SubRequest(request.target, "onnx_qdq", request.model_name, sub_opts)
-    products, coverages, graph_names = [], [], []
+    products, coverages, graph_names, graphs_of = [], [], [], {}
     for index in range(1, len(specs) + 1):
         state = p.register_stage(
             functools.partial(stages.part_state, index), f"p{index}.state", reads=("input.state",)
@@ -110,6 +124,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
                 reads=("ctx.kv_bits",),
             ).depends_on(names["bind"], kv, view)
             products.append(graph.name)
+            graphs_of.setdefault(index, []).append(graph)
             coverages.append(names["coverage"])
             graph_names.append(
                 specs[index - 1].graph_name(
@@ -126,6 +141,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
         for spec in specs
         for kind in KINDS
     }
+    rope = None
     if opts.kv_bits == 8:  # onnxruntime-genai's windowed cache holds uint8 only
         rope = p.register_stage(bundle.rotary, "rotary", reads=("input.state",))
         cpu = p.register_stage(bundle.cpu_bundle, "cpu_bundle", reads=("ctx.kv_bits",))
@@ -139,9 +155,61 @@ def build_llm_pipeline(request: Request) -> Pipeline:
             )
             check.depends_on(plan, cpu, *graphs)
             p.reports["numerics"] = check.name
+    if targets:
+        products += _add_context_stages(p, targets, graphs_of, plan, rope)
+        files |= htp_bundle.bundle_files(
+            layout, request.model_name, targets, genai=rope is not None
+        )
     p.products = products
     p.output_files = frozenset(files)
     return p
+
+
+def _add_context_stages(
+    p: Pipeline,
+    targets: Sequence[HtpTarget],
+    graphs_of: dict[int, list[StageRef]],
+    plan: StageRef,
+    rope: StageRef | None,
+) -> list[str]:
+    """``p<i>.context.<label>`` per part and HTP target, ``htp_bundle`` (with an 8-bit KV
+    cache: genai's) and ``genie_bundle`` (:mod:`.htp_bundle`); their names, as products."""
+    from graphbuild.targets.qnn.pipeline.htp import HTP_BACKEND
+
+    names = []
+    for t in targets:
+        htp, genie = htp_bundle.folders(t, targets)
+        for index, graphs in graphs_of.items():
+            stage = functools.partial(
+                htp_bundle.part_context,
+                index,
+                len(graphs_of),
+                htp,
+                genie,
+                htp_arch=t.htp_arch,
+                soc_model=t.soc_model,
+            )
+            ref = p.register_stage(
+                stage, f"p{index}.context.{t.label}", reads=("ctx.model_name", HTP_BACKEND)
+            ).depends_on(*graphs)
+            names.append(ref.name)
+    pairs = tuple((t.htp_arch, t.soc_model) for t in targets)
+    if rope is not None:
+        names.append(
+            p.register_stage(
+                functools.partial(htp_bundle.htp_bundle, pairs),
+                "htp_bundle",
+                reads=("ctx.kv_bits", HTP_BACKEND),
+            )
+            .depends_on(plan, rope)
+            .name
+        )
+    genie = p.register_stage(
+        functools.partial(htp_bundle.genie_bundle, pairs),
+        "genie_bundle",
+        reads=("ctx.model_name", "input.structure"),
+    ).depends_on(plan)
+    return [*names, genie.name]
 
 
 class _SubRequest:
