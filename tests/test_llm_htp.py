@@ -134,6 +134,9 @@ def test_genai_runs_the_contexts_on_the_htp_and_genie_names_the_binaries(
         assert pipeline[name]["filename"] == f"{name}.onnx"
         (qnn,) = pipeline[name]["session_options"]["provider_options"]
         assert qnn["qnn"]["htp_arch"] == "73"
+        # the backend by its file name, found on the runtime's library path: no path of the
+        # machine that built the bundle
+        assert qnn["qnn"]["backend_path"] == "libQnnHtp.so"
     assert (wide_export / "htp" / "position-processor.onnx").read_bytes() == (
         wide_export / "cpu" / "position-processor.onnx"
     ).read_bytes()

@@ -220,6 +220,12 @@ def _run_isolated(
         root = str(Path(graphbuild.__file__).resolve().parents[1])
         paths = [str(Path(genai_path).resolve())] if genai_path is not None else []
         env["PYTHONPATH"] = os.pathsep.join([*paths, root, *filter(None, [env.get("PYTHONPATH")])])
+        if request["qnn"]:  # a bundle names QNN's backend by file name: the child finds it
+            libraries = _qnn_library_dir()
+            if libraries:
+                env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                    [libraries, *filter(None, [env.get("LD_LIBRARY_PATH")])]
+                )
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", _WORKER, str(work)],
@@ -243,6 +249,15 @@ def _run_isolated(
         result = json.loads(result_file.read_text())
         logits = np.load(work / _LOGITS) if (work / _LOGITS).is_file() else None
         return _as_generation(result, logits)
+
+
+def _qnn_library_dir() -> str:
+    """The folder of the installed onnxruntime-qnn's QNN libraries, or ``""``."""
+    try:
+        import onnxruntime_qnn
+    except ImportError:
+        return ""
+    return str(Path(onnxruntime_qnn.get_qnn_htp_path()).parent)
 
 
 def _run(request: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from typing import Any
 from graphbuild.engine.codecs import FileArtifact
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.targets.qnn.arch.targets import HtpTarget
+from graphbuild.targets.qnn.htp_runtime.backend import ep_options_for
 from graphbuild.targets.qnn.llm.bundle import PROCESSOR, genai_bundle_files, genai_facts
 from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
 from graphbuild.targets.qnn.llm.genai_pipeline import Session
@@ -135,14 +136,16 @@ def htp_bundle(
     targets: Sequence[tuple[str, str]], inputs: tuple, samples: Any, context: Any
 ) -> dict[str, FileArtifact]:
     """Per target, ``genai_config.json`` running every part's EPContext model on QNN's HTP
-    (the installed onnxruntime-qnn's backend) and ``position-processor.onnx``."""
+    and ``position-processor.onnx``. The backend is named by its file name (``libQnnHtp.so``),
+    found on the runtime's library path: a bundle holds no path of the machine that built it."""
     plan_json, rotary_json = inputs
     plan = LlmPlan.from_json(plan_json)
     all_targets = [HtpTarget(a, s) for a, s in targets]
     files: dict[str, FileArtifact] = {}
     for t in all_targets:
         folder = folders(t, all_targets)[0]
-        session = Session.qnn_htp(t)
+        backend = Path(ep_options_for(t)["backend_path"]).name
+        session = Session.qnn_htp(t, backend_path=backend)
         files |= genai_bundle_files(folder, plan, rotary_json, session, context["kv_bits"])
     return files
 
