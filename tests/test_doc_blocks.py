@@ -100,12 +100,18 @@ def _all_blocks() -> list[Block]:
 def shell_commands(block: Block) -> list[list[str]]:
     """The commands of a shell block as argument lists: a ``console`` block's ``$`` lines, a
     ``bash`` block's lines; backslash continuations joined, comments dropped."""
-    raw = block.text.splitlines()
-    if block.lang == "console":
-        raw = [ln[2:] if ln.startswith("$ ") else None for ln in raw]
+    raw: list[str | None] = list(block.text.splitlines())
+    if block.lang == "console":  # a command is a "$ " line and the lines its backslashes join
+        continued = False
+        for i, line in enumerate(raw):
+            if line.startswith("$ "):
+                raw[i] = line[2:]
+            elif not continued:
+                raw[i] = None  # an output line of the transcript
+            continued = raw[i] is not None and raw[i].rstrip().endswith("\\")
     commands, pending = [], ""
     for line in raw:
-        if line is None:  # an output line of a transcript
+        if line is None:
             continue
         if pending:
             line = pending + " " + line.strip()
@@ -157,6 +163,10 @@ def test_every_block_that_does_not_run_says_why() -> None:
                 )
         elif len(block.reason.split()) < 2:
             problems.append(f"{block.name}: the marker '{block.marker}:' gives no reason")
+        elif block.marker == "slow" and _why_not_runnable(block):
+            problems.append(
+                f"{block.name}: marked slow, so it must run, but {_why_not_runnable(block)}"
+            )
     assert not problems, "\n".join(problems)
 
 
