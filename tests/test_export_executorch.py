@@ -335,8 +335,8 @@ def test_dynamic_dims_give_a_program_that_runs_at_other_batch_sizes(tmp_path):
 
 
 def _readme_block(marker: str) -> str:
-    """The README's Python example that contains ``marker``."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """docs/executorch.md's Python example that contains ``marker``."""
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "executorch.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
     (block,) = [b for b in blocks if marker in b]
     return block

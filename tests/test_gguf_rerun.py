@@ -1,4 +1,4 @@
-"""The GGUF target's rerun table (README, "GGUF target"): after each kind of change exactly
+"""The GGUF target's rerun table (docs/gguf.md, "What reruns"): after each kind of change exactly
 these stages rerun, and the new file is built from the one it replaces: changed tensors
 written, the others copied by verified range copies, byte for byte a fresh export."""
 
@@ -17,13 +17,13 @@ from graphbuild.onnx import files as files_module
 from graphbuild.targets.gguf import tensors as tensors_module
 from tests import gguf_models as gm
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "gguf.md"
 
 
 def readme_table() -> dict[str, str]:
     """The README's GGUF rerun table: change -> what reruns."""
     text = README.read_text()
-    section = text[text.index("## GGUF target") :]
+    section = text[text.index("## What reruns") :]
     lines = section[section.index("| change | reruns |") :].splitlines()[2:]
     rows = {}
     for line in lines:
