@@ -210,6 +210,9 @@ def _report_lines(extra: Mapping[str, Any]) -> list[str]:
     """One line per report an export made (coverage, delegation, numerics), for people, and
     a warning line per degenerate calibrated range and per tensor in a known HTP defect."""
     lines = []
+    outputs = extra.get("model_outputs")
+    if isinstance(outputs, Mapping) and outputs.get("summary"):
+        lines.append(f"outputs    {outputs['summary']}")
     coverage = extra.get("coverage")
     if isinstance(coverage, Mapping):
         lines.append(f"coverage   {coverage.get('summary', '')}")
