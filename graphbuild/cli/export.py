@@ -136,6 +136,7 @@ def export(
         name=name,
         sets=sets,
     )
+    cfg.check()  # format, preset, model file: before the cache, the directory and torch
     cache = open_cache(cache_dir, no_cache, cfg, url=cache_url, readonly=cache_readonly)
     if dry_run:
         show_status(cfg, cache, as_json)
