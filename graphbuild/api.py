@@ -198,12 +198,27 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
     for name, stage in reports.items():
         if stage in result.outputs:
             result.report.extra[name] = result.outputs[stage]
+    note = _model_outputs_note(request.model, result.outputs)
+    if note:
+        result.report.extra["model_outputs"] = note
     try:
         files, lock, out_dir = _place(request, pipeline, result, context, cache)
     finally:
         result.wait_for_cache()
     result.report.seconds = time.perf_counter() - t0
     return ExportArtifacts(pipeline.name, result.captured, files, result.report, out_dir, lock)
+
+
+def _model_outputs_note(model: Any, outputs: Mapping[str, Any]) -> dict[str, Any]:
+    """What the capture of a transformers model left out of its ``ModelOutput``
+    (``frontend.capture.plain_outputs``); read only for such a model, whose captured
+    program is then loaded (from the cache on a warm export) for its notes."""
+    from graphbuild.frontend.capture import is_transformers_model
+
+    if not is_transformers_model(model) or "capture" not in outputs:
+        return {}
+    notes = getattr(outputs["capture"], "notes", None) or {}
+    return dict(notes.get("model_outputs") or {})
 
 
 def _place(

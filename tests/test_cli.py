@@ -593,14 +593,14 @@ def _bad_project(directory: Path, text: str) -> Path:
 @pytest.mark.parametrize(
     "toml, message",
     [
-        ('model = "missing.py:build"\n', "missing.py does not exist"),
+        ('model = "missing.py:build"\n', "no such model file"),
         ('model = "cli_models.py:nope"\n', "has no attribute 'nope'"),
         ('model = "cli_models.py:raises"\n', "raised RuntimeError: weights not found at /nowhere"),
         ('model = "cli_models.py:boom"\n[options]\nopsett = 1\n', "did you mean 'opset'"),
         ('model = "cli_models.py:boom"\n[options]\nopset = "17"\n', "must be an integer, got '17'"),
         (
             'model = "cli_models.py:boom"\nformat = "onnx_xyz"\n',
-            "known: qnn/context, qnn/llm, qnn/onnx, qnn/onnx_qdq",
+            "has no format 'onnx_xyz'; did you mean 'onnx'? Formats: context, llm, onnx, onnx_qdq",
         ),
     ],
 )

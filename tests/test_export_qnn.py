@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -263,6 +264,47 @@ def test_transformers_llama_exports_with_numerics(tmp_path, cache):
     )
     assert no_marker_left(onnx.load(tmp_path / "model.onnx"))
     assert_numerics(art)
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "onnx_qdq"])
+def test_a_transformers_causal_lm_exports_its_logits_with_use_cache_left_on(tmp_path, cache, fmt):
+    """A LlamaForCausalLM as transformers builds it (``use_cache`` at its default, a
+    ``ModelOutput`` with a ``DynamicCache`` returned) exports without a logits-only wrapper:
+    it is called with ``use_cache=False``, its one ONNX output is the logits, and the report
+    names what of the ``ModelOutput`` was left out."""
+    pytest.importorskip("transformers", reason="builds a transformers model (the dev extra)")
+    import onnxruntime as ort
+    from transformers import LlamaForCausalLM
+
+    from examples import tiny_llama
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama.config(output_hidden_states=True)).eval()
+    assert model.config.use_cache
+    samples = (torch.randint(0, tiny_llama.VOCAB, (1, tiny_llama.SEQ)),)
+    art = export(
+        model,
+        samples,
+        tmp_path,
+        cache,
+        fmt,
+        quantizer="w8a16",
+        calibration=tiny_llama.calibration(),
+    )
+    graph = onnx.load(tmp_path / "model.onnx").graph
+    assert len(graph.output) == 1
+    dims = [d.dim_value for d in graph.output[0].type.tensor_type.shape.dim]
+    assert dims == [1, tiny_llama.SEQ, tiny_llama.VOCAB]
+    with torch.no_grad():
+        expected = model(*samples, use_cache=False).logits.numpy()
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {graph.input[0].name: samples[0].numpy()})
+    assert np.corrcoef(got.ravel(), expected.ravel())[0, 1] > 0.99
+    assert_numerics(art, steps=math.inf, sqnr=20.0)
+    note = art.report.extra["model_outputs"]
+    assert note["kept"] == "logits"
+    assert "hidden_states" in note["left_out"]
+    assert "use_cache=False" in note["summary"]
 
 
 # --------------------------------------------------------------------------- int32 biases

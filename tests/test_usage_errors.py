@@ -262,3 +262,13 @@ def test_a_bad_preset_given_with_set_says_so(tmp_path):
     with pytest.raises(ConfigError) as in_file:
         load_config(cwd=tmp_path).export_options()
     assert "(with --set)" not in str(in_file.value)  # the file's own mistake
+
+
+def test_a_mistyped_model_path_is_no_such_model_file_not_an_output_directory_conflict(project):
+    """``--model`` names the model's file; a typo in it (whose stem would be another model
+    name) is said as such, not as the other model's export holding the directory."""
+    (project / "out").mkdir()
+    (project / "out" / "graphbuild.lock.json").write_text('{"model_name": "convnet"}')
+    code, out, err = cli("export", "--model", "examples/convnett.py:build", "-o", "out")
+    assert_refused_before_any_stage(code, out, err, "no such model file", "convnett.py")
+    assert "holds the export" not in err

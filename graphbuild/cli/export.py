@@ -136,6 +136,7 @@ def export(
         name=name,
         sets=sets,
     )
+    cfg.check()  # format, preset, model file: before the cache, the directory and torch
     cache = open_cache(cache_dir, no_cache, cfg, url=cache_url, readonly=cache_readonly)
     if dry_run:
         show_status(cfg, cache, as_json)
@@ -210,6 +211,9 @@ def _report_lines(extra: Mapping[str, Any]) -> list[str]:
     """One line per report an export made (coverage, delegation, numerics), for people, and
     a warning line per degenerate calibrated range and per tensor in a known HTP defect."""
     lines = []
+    outputs = extra.get("model_outputs")
+    if isinstance(outputs, Mapping) and outputs.get("summary"):
+        lines.append(f"outputs    {outputs['summary']}")
     coverage = extra.get("coverage")
     if isinstance(coverage, Mapping):
         lines.append(f"coverage   {coverage.get('summary', '')}")

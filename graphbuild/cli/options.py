@@ -229,6 +229,7 @@ def build_request(
 ) -> tuple[ExportRequest, Pipeline]:
     """The export request the config describes and its pipeline (built before anything runs,
     so an unknown target, format or option is a configuration error)."""
+    cfg.check()  # before torch is imported: a typo is answered at once
     quiet_torch()
     from graphbuild.api import ExportRequest, build_pipeline
 

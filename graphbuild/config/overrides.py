@@ -14,6 +14,8 @@ from graphbuild.config.schema import (
     _TABLE,
     _TABLES,
     _describe,
+    _dotted_keys,
+    _option_keys,
     _option_targets,
     _suggest,
     _top_keys,
@@ -45,12 +47,14 @@ def _apply_override(table: dict[str, Any], key: str, value: Any) -> str:
         head, dot, tail = "options", ".", head  # unambiguous: no top-level key has its name
     if not dot:
         if head not in top:
-            raise ConfigError(f"--set: unknown top-level key '{head}'{_suggest(head, top)}")
+            hint = _suggest(head, top, _option_keys())  # a bare key may name an option
+            raise ConfigError(f"--set: unknown top-level key '{head}'{hint}")
         table[head] = value
         return head
     if head not in _TABLES and head != "options":
         known = [f"{t}.{k}" for t, schema in _TABLES.items() for k in schema] + list(top)
-        raise ConfigError(f"--set: unknown key '{key}'{_suggest(key, known)}")
+        hint = _suggest(key, known, _dotted_keys())
+        raise ConfigError(f"--set: unknown key '{key}'{hint}")
     schema = _TABLES.get(head)  # [options] is checked once the target is known (_validate)
     if schema is not None and tail not in schema:
         raise ConfigError(f"--set: unknown key '{tail}' in [{head}]{_suggest(tail, schema)}")

@@ -62,11 +62,24 @@ def _option_targets(key: str) -> list[str]:
     return [t.name for t in all_targets() if key in t.config_schema]
 
 
-def _suggest(key: str, known: Iterable[str]) -> str:
+def _suggest(key: str, known: Iterable[str], also: Iterable[str] = ()) -> str:
+    """``; did you mean 'x'? Known keys: ...``: the closest of ``known`` and ``also`` (keys
+    the message does not list, such as options a bare key may name), and ``known``."""
     known = sorted(known)
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(key, sorted({*known, *also}), n=1, cutoff=0.5)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return f"{hint} Known keys: {', '.join(known)}"
+
+
+def _option_keys() -> set[str]:
+    """Every target's ``[options]`` keys: what a bare ``--set`` key may name."""
+    return {key for target in all_targets() for key in target.config_schema}
+
+
+def _dotted_keys() -> list[str]:
+    """Every key ``--set`` may name with a dot: ``quantization.preset``, ``options.opset``."""
+    tables = [f"{t}.{k}" for t, schema in _TABLES.items() for k in schema]
+    return tables + [f"options.{key}" for key in sorted(_option_keys())]
 
 
 def _describe(value: Any) -> str:
@@ -87,7 +100,8 @@ def _validate(table: Mapping[str, Any], where: str) -> None:
                     f"{where}: '{key}' is not a top-level key; it is an option of target(s) "
                     f"{', '.join(owners)}: put it in [options] ({key} = ...)"
                 )
-            raise ConfigError(f"{where}: unknown top-level key '{key}'{_suggest(key, top)}")
+            hint = _suggest(key, top, [f"options.{k}" for k in _option_keys()])
+            raise ConfigError(f"{where}: unknown top-level key '{key}'{hint}")
         _check_type(key, value, top[key], where)
     for key, value in table.items():  # tables once every key has its type ("target" a string)
         if key in _TABLES or key == "options":

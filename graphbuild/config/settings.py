@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -161,8 +162,44 @@ class Config:
             return self._value(value, key)
         return {name: self._value(spec, f"{key}.{name}") for name, spec in value.items()}
 
-    def quantizer_object(self) -> Any:
-        """The configured quantizer: a preset name, a torchao Quantizer, or None."""
+    def check(self) -> None:
+        """What can be checked before torch, the target's stages or the model are imported:
+        the format, the quantization preset, and that the files the specs name exist. A
+        typo is then an error in a fraction of a second, not after seconds of imports and
+        the model's construction; the command line calls this first."""
+        target = get_target(self.target)
+        if self.format not in target.formats:
+            hint = _suggest(str(self.format), target.formats).replace("Known keys", "Formats")
+            raise ConfigError(
+                f"{self.where_of('format')}: target '{target.name}' has no format "
+                f"'{self.format}'{hint} (graphbuild targets)"
+            )
+        if self.preset is not None:
+            self.checked_preset()
+        for key in ("model", "samples", "calibration"):
+            spec = getattr(self, key)
+            if spec:
+                self._check_file(spec, key)
+        if self.quantizer:
+            self._check_file(self.quantizer, "quantization.quantizer")
+
+    def _check_file(self, spec: str, key: str) -> None:
+        """A ``file.py:name`` spec's file exists (a module spec is found when imported)."""
+        target, _ = _split(spec, key)
+        if not _is_file(target):
+            return
+        _check_path_text(target)
+        path = (self.root / Path(target).expanduser()).resolve()
+        if not path.is_file():
+            raise ConfigError(
+                f"{self.where_of(key)}: no such {key.rpartition('.')[2]} file {path} "
+                f"({key} = {spec!r}); give the path of an existing Python file"
+            )
+
+    def checked_preset(self) -> str | None:
+        """The configured preset's name, once known to be the target's own or a registered
+        one (neither torch nor torchao is imported); None when the target picks its own
+        quantization instead of another target's preset."""
         target = get_target(self.target)
         if self.preset is not None and not target.presets and self.quantizer is None:
             own = target.quantization_option
@@ -181,9 +218,10 @@ class Config:
             builtin = target.presets
             if self.preset in builtin:
                 return self.preset  # known without importing torchao
-            from graphbuild.frontend.presets import QUANTIZER_PRESETS
-
-            known = {*builtin, *QUANTIZER_PRESETS}
+            # registered ones: none until something imported the registry (importing it
+            # here would import graphbuild.frontend, and torch with it)
+            presets = sys.modules.get("graphbuild.frontend.presets")
+            known = {*builtin, *getattr(presets, "QUANTIZER_PRESETS", {})}
             if self.preset not in known:
                 hint = _suggest(self.preset, known).replace("Known keys", "Known presets")
                 raise ConfigError(
@@ -191,6 +229,12 @@ class Config:
                     f"'{self.preset}'{hint}"
                 )
             return self.preset
+        return None
+
+    def quantizer_object(self) -> Any:
+        """The configured quantizer: a preset name, a torchao Quantizer, or None."""
+        if self.preset is not None:
+            return self.checked_preset()
         if self.quantizer is None:
             return None
         from torchao.quantization.pt2e.quantizer import Quantizer

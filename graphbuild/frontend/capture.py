@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import io
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,11 +34,84 @@ def capture_program(
 
     A model off the CPU is traced on CPU stand-ins (``devices.on_cpu``), so the program is the
     same as the CPU model's, whatever device the model and the samples live on."""
-    with on_cpu(model):
+    with on_cpu(model), plain_outputs(model) as note:
         args = to_device(as_args(samples), "cpu")
         program = export_quietly(model, args, dynamic_shapes)
     strip_stack_traces(program)
-    return roundtrip(ProgramArtifact(strip_state(program), has_state=False))
+    notes = {"model_outputs": note} if note else {}
+    return roundtrip(ProgramArtifact(strip_state(program), has_state=False, notes=notes))
+
+
+def is_transformers_model(model: Any) -> bool:
+    """True for a transformers ``PreTrainedModel`` (never imports transformers: a model of
+    it has imported it already)."""
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    return base is not None and isinstance(model, base)
+
+
+@contextlib.contextmanager
+def plain_outputs(model: torch.nn.Module) -> Iterator[dict[str, Any]]:
+    """While this lasts, a transformers model returns a tensor, as an export needs: it is
+    called with ``use_cache=False`` (a ``DynamicCache`` in the outputs is no graph output,
+    and a cache is what a prefill graph has no use for) and its ``ModelOutput`` is reduced to
+    ``logits`` (or, lacking one, its first tensor field). Yields the note of what was done,
+    filled in when the model is called: ``kept``, ``left_out`` (the other fields) and a
+    ``summary``; empty for any other model, which is called as it is."""
+    note: dict[str, Any] = {}
+    if not is_transformers_model(model):
+        yield note
+        return
+    own = model.__dict__.get("forward")  # a forward set on the instance, put back after
+    original = model.forward
+    signature = inspect.signature(original)
+    uncached = "use_cache" in signature.parameters
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if uncached:
+            kwargs["use_cache"] = False
+        return _logits_of(original(*args, **kwargs), note, uncached)
+
+    forward.__signature__ = signature  # type: ignore[attr-defined]  # torch.export names inputs by it
+    model.forward = forward
+    try:
+        yield note
+    finally:
+        if own is None:
+            del model.forward  # the class's forward again
+        else:
+            model.forward = own
+
+
+def call_plainly(model: torch.nn.Module, args: tuple) -> Any:
+    """``model(*args)`` as the export traces it (:func:`plain_outputs`): what the exported
+    graph computes, for a reference to compare it with."""
+    with plain_outputs(model):
+        return model(*args)
+
+
+def _logits_of(out: Any, note: dict[str, Any], uncached: bool) -> Any:
+    """A ``ModelOutput``'s ``logits`` (or first tensor field); anything else as it is."""
+    transformers = sys.modules.get("transformers")
+    output_type = getattr(getattr(transformers, "utils", None), "ModelOutput", None)
+    if output_type is None or not isinstance(out, output_type):
+        return out
+    fields = [name for name, value in out.items() if value is not None]
+    kept = "logits" if "logits" in fields else None
+    if kept is None:
+        kept = next((n for n in fields if isinstance(out[n], torch.Tensor)), None)
+    if kept is None:
+        return out
+    left_out = [name for name in fields if name != kept]
+    how = "called with use_cache=False; " if uncached else ""
+    note.update(
+        kept=kept,
+        left_out=left_out,
+        summary=f"{type(out).__name__}: {how}the export's output is its '{kept}'"
+        + (f" ({', '.join(left_out)} left out)" if left_out else ""),
+    )
+    return out[kept]
 
 
 def export_quietly(

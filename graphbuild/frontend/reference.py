@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from graphbuild.compat import full_float32
-from graphbuild.frontend.capture import as_args
+from graphbuild.frontend.capture import as_args, call_plainly
 from graphbuild.frontend.devices import model_device, to_device
 
 __all__ = ["output_errors", "reference_from_model", "reference_from_program", "sqnr_db"]
@@ -45,7 +45,7 @@ def reference_from_model(inputs: tuple, samples: Any, context: Any) -> dict:
     device = model_device(model)
     precise = full_float32() if device.type == "cuda" else contextlib.nullcontext()
     with torch.no_grad(), precise:
-        out = model(*to_device(as_args(samples), device))
+        out = call_plainly(model, to_device(as_args(samples), device))
     return outputs_dict(out)
 
 

@@ -2,7 +2,10 @@
 
 Files are written into a temporary directory beside the output directory and moved into
 place one by one, ``graphbuild.lock.json`` last; a failed or killed export leaves the output
-directory as it was. A stamp in the cache remembers what was placed (product digests, file
+directory as it was. The output directory then holds exactly the current export: the
+files an earlier export of the model placed there (its lock file lists them, and the cache's
+stamp) and this one does not go in the same step (another format's ``_ctx_qnn.bin`` is not
+left to be shipped); a file graphbuild never wrote stays. A stamp in the cache remembers what was placed (product digests, file
 sizes, mtimes, inodes): when nothing changed and nobody touched the files, a warm export
 places nothing and loads nothing. A user editing an output file changes its mtime, so the
 next export writes it again from the cache.
@@ -21,6 +24,7 @@ placement stamp naming anything else is ignored (docs/design.md, invariant 11).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -30,6 +34,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,9 +71,14 @@ def place_outputs(
     products = {s: report[s].digest for s in pipeline.products if report[s].digest}
     stamp_key = digest_json([str(placement.out_dir.resolve()), placement.model_name])
     stamp = cache.placement(stamp_key) if cache is not None else None
+    earlier = _earlier_files(placement, stamp)
     if stamp is not None and not _valid_stamp(stamp, pipeline, placement):
-        stamp = None  # damaged or planted: place everything afresh
-    if stamp is not None and _unchanged(stamp, products, placement):
+        stamp = None  # damaged, planted or another format's: place everything afresh
+    if (
+        stamp is not None
+        and _unchanged(stamp, products, placement)
+        and earlier <= {f["name"] for _, f in stamp["files"]}
+    ):
         placed = dict(stamp["files"])  # a list of pairs: keeps the products' order
         files = {kind: placement.out_dir / f["name"] for kind, f in placed.items()}
         lock = _lock(pipeline, report, placement, placed)
@@ -76,7 +86,9 @@ def place_outputs(
         return {**files, "lock": placement.out_dir / LOCK_FILE}, lock
     reusable = _reusable(stamp, products, placement) if stamp is not None else {}
     previous = _previous_files(stamp, placement) if stamp is not None else []
-    files, digests, lock = _place(pipeline, result, placement, products, reusable, previous)
+    files, digests, lock = _place(
+        pipeline, result, placement, products, reusable, previous, earlier
+    )
     if cache is not None:
         cache.record_placement(
             stamp_key,
@@ -120,6 +132,24 @@ def _valid_stamp(stamp: Any, pipeline: Pipeline, placement: Placement) -> bool:
     except InvalidManifest:
         return False
     return all(allowed_name(f["name"], pipeline, placement) for _, f in stamp["files"])
+
+
+def _earlier_files(placement: Placement, stamp: Any) -> set[str]:
+    """The files an earlier export of this model placed in the output directory: those its
+    lock file lists, and those the cache's placement stamp records (whatever the format they
+    were placed for). Each is a name an export may place (a file, or a file in one folder),
+    never the lock; a lock of another model names none."""
+    names: set[str] = set()
+    try:
+        lock = json.loads((placement.out_dir / LOCK_FILE).read_text())
+    except (OSError, ValueError):
+        lock = None
+    if type(lock) is dict and lock.get("model_name") == placement.model_name:
+        listed = lock.get("files")
+        names.update(listed if type(listed) is dict else ())
+    with contextlib.suppress(InvalidManifest):  # none, damaged or planted: names nothing
+        names.update(f["name"] for _, f in check_placement_stamp(stamp)["files"])
+    return {n for n in names if is_placed_path(n) and n != LOCK_FILE}
 
 
 def _previous_files(stamp: dict[str, Any], placement: Placement) -> list[Any]:
@@ -182,7 +212,10 @@ def _place(
     products: Mapping[str, str],
     reusable: Mapping[str, list[tuple[str, dict[str, Any]]]],
     previous: list[Any],
+    earlier: AbstractSet[str] = frozenset(),
 ) -> tuple[dict[str, Path], dict[str, dict[str, Any]], dict[str, Any]]:
+    """Write the products into a temporary directory and make it the output directory's
+    contents: the files of ``earlier`` exports this one does not place go with it."""
     from graphbuild.onnx.save import SegmentedFile
 
     out_dir = placement.out_dir
@@ -230,7 +263,7 @@ def _place(
         lock = _lock(pipeline, result.report, placement, digests, written)
         (tmp / LOCK_FILE).write_text(_lock_text(lock))
         ours = {p.relative_to(tmp).as_posix() for p in written.values()}
-        stale = _data_files(out_dir, placement.model_name) - ours
+        stale = (_data_files(out_dir, placement.model_name) | earlier) - ours
         _commit(tmp, out_dir, ours | {LOCK_FILE}, stale)
         committed = True
         return {kind: out_dir / p.relative_to(tmp) for kind, p in written.items()}, digests, lock
@@ -262,10 +295,11 @@ def _commit(tmp: Path, out_dir: Path, ours: set[str], stale: set[str]) -> None:
             if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not out_dir.is_dir():
                 raise
     entries = list(os.scandir(out_dir))
-    ours, stale = _top_level(ours), _top_level(stale)
+    ours = _top_level(ours)
+    stale = _top_level(stale) - ours  # a folder of both is ours: replaced whole
     if (
         _exchange is not None
-        and all(not e.is_dir(follow_symlinks=False) or e.name in ours for e in entries)
+        and all(not e.is_dir(follow_symlinks=False) or e.name in ours | stale for e in entries)
         and not os.path.ismount(out_dir)  # a mount point cannot be renamed (EBUSY)
     ):
         for e in entries:
