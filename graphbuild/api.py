@@ -264,20 +264,20 @@ def export(
     differs from the cached one (graphbuild's own test of its cache keys)."""
     return export_with_pipeline(
         ExportRequest(
-            model,
-            data,
-            output_directory,
-            model_name,
-            target,
-            format,
-            options,
-            registry,
-            pipeline_factory,
-            cache,
-            verbose,
-            force,
-            listeners,
-            check_fingerprints,
+            model=model,
+            data=data,
+            output_directory=output_directory,
+            model_name=model_name,
+            target=target,
+            format=format,
+            options=options,
+            registry=registry,
+            pipeline_factory=pipeline_factory,
+            cache=cache,
+            verbose=verbose,
+            force=force,
+            listeners=listeners,
+            check_fingerprints=check_fingerprints,
         )
     )
 

@@ -240,10 +240,10 @@ def build_request(
         )
     model, samples, calibration = cfg.load_model() if load_model else (None, None, None)
     request = ExportRequest(
-        model,
-        samples,
-        cfg.output_dir,
-        cfg.model_name,
+        model=model,
+        data=samples,
+        output_directory=cfg.output_dir,
+        model_name=cfg.model_name,
         target=cfg.target,
         format=cfg.format,
         options=cfg.export_options(calibration),

@@ -119,10 +119,10 @@ class VariantBuilds:
         if calibration_key not in self._calibrations:
             self._calibrations[calibration_key] = cfg.load_calibration()
         request = ExportRequest(
-            model,
-            samples,
-            cfg.output_dir,
-            cfg.model_name,
+            model=model,
+            data=samples,
+            output_directory=cfg.output_dir,
+            model_name=cfg.model_name,
             target=cfg.target,
             format=cfg.format,
             options=cfg.export_options(self._calibrations[calibration_key]),
