@@ -133,3 +133,8 @@ class CoverageError(ExportError):
 
 class NumericsError(ExportError):
     """The exported model disagrees with the torch model beyond tolerance."""
+
+
+class VulkanDeviceError(ExportError):
+    """No Vulkan device with Arm's ML extensions to run a VGF delegate on (``executorch/vgf``'s
+    numerics check): the message says what to install."""

@@ -253,12 +253,6 @@ def test_vgf_exports_int8_with_arms_quantizer_when_the_tools_are_installed(tmp_p
     assert art.report.extra["delegation"]["delegated_ops"] > 0
 
 
-def test_vgf_numerics_check_is_refused_with_the_reason(tmp_path):
-    model, samples = convnet.build()
-    with pytest.raises(ConfigError, match="VGF delegate needs a Vulkan device|graphbuild\\[vgf\\]"):
-        export(model, samples, tmp_path, False, fmt="vgf", check_numerics=True)
-
-
 # --------------------------------------------------------------------------- methods, shapes
 
 

@@ -151,6 +151,21 @@ def test_a_tool_is_known_by_version_and_content_never_by_where_it_is(tools, tmp_
     assert tool_identity("stub-converter").startswith("stub 0.9 xxh3:")
 
 
+def test_a_tool_that_prints_its_version_as_json_is_known_by_that_version(tmp_path, monkeypatch):
+    """The defect: Arm's model converter 0.9.0 prints ``--version`` as a JSON object, and the
+    lock file named it ``{``."""
+    tool = tmp_path / "bin" / "json-converter"
+    tool.parent.mkdir(parents=True)
+    body = '{\n  "version": "d8c1b8e",\n  "dependencies": ["VGF=6da524a"]\n}'
+    tool.write_text(f"#!/bin/sh\ncat <<'EOF'\n{body}\nEOF\n")
+    tool.chmod(0o755)
+    os.utime(tool, ns=(PAST, PAST))
+    monkeypatch.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+    exe = Tool.executable("json-converter", version_args=("--version",))
+    monkeypatch.setitem(toolchain.TOOLS, exe.name, exe)
+    assert tool_identity("json-converter").startswith("d8c1b8e xxh3:")
+
+
 def test_a_tool_not_installed_is_absent_and_an_unknown_one_always_reruns(tools, tmp_path):
     exe, lib, exe_read, lib_read = tools
     exe.unlink()

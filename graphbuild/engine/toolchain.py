@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -290,6 +291,16 @@ def file_digest(path: Path) -> str:
     return known
 
 
+def _json_version(text: str) -> str | None:
+    """The ``version`` string of a JSON object ``text``, or None when it is not one."""
+    try:
+        found = json.loads(text)
+    except ValueError:
+        return None
+    version = found.get("version") if isinstance(found, dict) else None
+    return str(version) if isinstance(version, str | int | float) and str(version) else None
+
+
 def _hash_file(path: str) -> str:
     hasher = Hasher()
     with open(path, "rb") as f:
@@ -302,8 +313,9 @@ _versions: dict[tuple[Any, ...], str | None] = {}
 
 
 def _reported_version(path: Path, args: Iterable[str]) -> str | None:
-    """The first line ``path`` prints for ``args`` (once per unchanged file), less anything
-    that looks like a path; None when it fails or prints nothing."""
+    """The first line ``path`` prints for ``args`` (once per unchanged file), or the
+    ``version`` of the JSON object it prints (Arm's model converter), less anything that looks
+    like a path; None when it fails or prints nothing."""
     args = tuple(args)
     st = os.stat(path)
     stamp = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, args)
@@ -318,6 +330,9 @@ def _reported_version(path: Path, args: Iterable[str]) -> str | None:
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     except (OSError, subprocess.SubprocessError, UnicodeDecodeError):
         lines = []
+    first = _json_version(text) if lines and lines[0].startswith("{") else None
+    if first is not None:
+        lines = [first]
     words = [w for w in (lines[0].split() if lines else []) if "/" not in w and "\\" not in w]
     version = " ".join(words)[:80] or None
     if not racy:

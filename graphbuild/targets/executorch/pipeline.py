@@ -41,7 +41,7 @@ from graphbuild.frontend.programs import (
 from graphbuild.frontend.reference import reference_from_model, reference_from_program
 from graphbuild.targets.base import Request, coerce_options
 from graphbuild.targets.executorch.options import FORMATS, ExecuTorchOptions
-from graphbuild.targets.executorch.tools import RUNTIME, VGF_TOOLS
+from graphbuild.targets.executorch.tools import EMULATION_LAYER, RUNTIME, VGF_TOOLS
 
 #: State names of a method's program: the model is the ``model`` child of the method wrapper.
 _METHOD_PREFIX = "model."
@@ -228,6 +228,15 @@ def check_numerics(inputs: tuple, samples: Any, context: Any) -> dict:
     return compare_pte(file.data, reference, as_args(samples), *floats)
 
 
+def check_numerics_vulkan(inputs: tuple, samples: Any, context: Any) -> dict:
+    """:func:`check_numerics` for a VGF ``.pte``: the runtime runs it in a fresh process on a
+    Vulkan device with Arm's ML extensions (the emulation layer's, when no device has them)."""
+    from graphbuild.targets.executorch.runtime import compare_pte, run_pte_on_vulkan
+
+    file, reference, *floats = inputs
+    return compare_pte(file.data, reference, as_args(samples), *floats, run=run_pte_on_vulkan)
+
+
 def _dynamic_shapes(dims: list, inputs: int) -> tuple:
     """torch.export's ``dynamic_shapes`` from canonical ``dynamic_dims``; one ``Dim`` per name."""
     if len(dims) != inputs:
@@ -261,11 +270,6 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
         )
     require_format(fmt)
     opts = coerce_options(ExecuTorchOptions, request.options, request.target)
-    if opts.check_numerics and fmt == "vgf":
-        raise ConfigError(
-            "check_numerics runs the .pte here, and the VGF delegate needs a Vulkan device with "
-            "Arm's ML extensions: export vgf without check_numerics, or check the xnnpack format"
-        )
     if opts.source_transform and fmt != "xnnpack":
         raise ConfigError(
             f"recipe '{opts.recipe}' lowers through XNNPACK only (its dynamically quantized "
@@ -300,7 +304,12 @@ def build_executorch_pipeline(request: Request, fmt: str | None = None) -> Pipel
     p.output_files = frozenset({f"{request.model_name}.pte"})
     p.reports["delegation"] = summary.name
     if opts.check_numerics:
-        check = p.register_stage(check_numerics, "check_numerics", reads=("samples", RUNTIME))
+        if fmt == "vgf":
+            check = p.register_stage(
+                check_numerics_vulkan, "check_numerics", reads=("samples", RUNTIME, EMULATION_LAYER)
+            )
+        else:
+            check = p.register_stage(check_numerics, "check_numerics", reads=("samples", RUNTIME))
         if opts.quantized:
             forward = p.register_stage(quantized_forward, "quantized_forward", reads=())
             forward.depends_on(source)
