@@ -19,7 +19,7 @@ from graphbuild.engine.events import StageStatus
 from graphbuild.errors import ConfigError
 from tests.llm_models import PROMPT, causal_lm
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
 
 GEOMETRY = dict(prompt_len=4, context_len=64, parts=3, contexts=True, htp_arch="v73")
 #: Wide enough that each part's weights (1 to 3 MiB quantized) outweigh the fixed bytes of a
@@ -211,3 +211,22 @@ def test_the_part_graphs_on_the_htp_simulator_generate_what_they_do_on_the_cpu(
     error = htp_logits - cpu_logits
     sqnr = 10 * np.log10(np.sum(cpu_logits**2) / np.sum(error**2))
     assert sqnr > 20, sqnr
+
+
+@needs_htp
+@pytest.mark.parametrize("preset", ["w4a16", "w8a16"])
+def test_qk_norm_parts_compile_on_the_htp_fully_quantized(tmp_path: Path, preset: str) -> None:
+    """Qwen3's per-head q/k norms, 4- and 8-bit weights: every part's graphs compile into their
+    weight-shared context with CPU fallback disabled, and QNN takes no tensor the preset
+    quantizes as float (strict coverage fails the export otherwise)."""
+    artifacts = _export(
+        causal_lm("qwen3", layers=2),
+        tmp_path / "out",
+        tmp_path / "cache",
+        quantizer=preset,
+        strict_coverage=True,
+    )
+    coverage = artifacts.report.extra["coverage"]
+    assert coverage["quantized"] == coverage["expected"] > 0 and coverage["float"] == []
+    bins = sorted(p.name for p in (tmp_path / "out" / "htp").glob("*.bin"))
+    assert bins == [f"lm_part_{i}_of_3.bin" for i in (1, 2, 3)]
