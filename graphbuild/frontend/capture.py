@@ -92,7 +92,8 @@ def call_plainly(model: torch.nn.Module, args: tuple) -> Any:
 
 
 def _logits_of(out: Any, note: dict[str, Any], uncached: bool) -> Any:
-    """A ``ModelOutput``'s ``logits`` (or first tensor field); anything else as it is."""
+    """A ``ModelOutput`` reduced to its ``logits`` (or first tensor field); anything else as
+    it is."""
     transformers = sys.modules.get("transformers")
     output_type = getattr(getattr(transformers, "utils", None), "ModelOutput", None)
     if output_type is None or not isinstance(out, output_type):
@@ -111,7 +112,9 @@ def _logits_of(out: Any, note: dict[str, Any], uncached: bool) -> Any:
         summary=f"{type(out).__name__}: {how}the export's output is its '{kept}'"
         + (f" ({', '.join(left_out)} left out)" if left_out else ""),
     )
-    return out[kept]
+    # the same output type holding the kept field alone: the exported graph's output keeps the
+    # field's name ("logits"), as the model's own pytree names it
+    return type(out)(**{kept: out[kept]})
 
 
 def export_quietly(
