@@ -11,8 +11,6 @@ the same way.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
@@ -21,9 +19,9 @@ from typing import Any
 
 import torch
 
-import graphbuild
 from graphbuild.errors import ExportError
 from graphbuild.frontend.reference import output_errors
+from graphbuild.targets.workers import run_worker
 
 _WORKER = "graphbuild.targets.executorch.runtime"
 _PTE, _INPUTS, _OUTPUTS, _RESULT = "model.pte", "inputs.pt", "outputs.pt", "result.json"
@@ -52,16 +50,7 @@ def run_pte_on_vulkan(pte: bytes, args: tuple, method: str = "forward") -> list[
         env = vgf_environment(work)
         (work / _PTE).write_bytes(pte)
         torch.save([t.detach().cpu().contiguous() for t in leaves], work / _INPUTS)
-        root = str(Path(graphbuild.__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            [sys.executable, "-m", _WORKER, str(work), method],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        proc = run_worker(_WORKER, [str(work), method], work, env=env)
         result = work / _RESULT
         status = json.loads(result.read_text()) if result.is_file() else {}
         if status.get("ok") and (work / _OUTPUTS).is_file():

@@ -14,19 +14,16 @@ comes back as JSON in a file (QNN's libraries print to stdout).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import graphbuild
 from graphbuild.errors import ExportError
 from graphbuild.targets.qnn.htp_runtime.backend import HtpTarget
 from graphbuild.targets.qnn.htp_runtime.context import PreparedContext
 from graphbuild.targets.qnn.htp_runtime.errors import HtpRefusedError
 from graphbuild.targets.qnn.htp_runtime.partition import PartitionReport
+from graphbuild.targets.workers import run_worker
 
 __all__ = ["CONTEXT_DIR", "MODEL", "RESULT", "prepare_context_isolated"]
 
@@ -50,17 +47,7 @@ def prepare_context_isolated(model: Path, target: HtpTarget, out: Path) -> Prepa
             shutil.copyfile(data, work / (MODEL + ".data"))
         (work / CONTEXT_DIR).mkdir()
         request = {"htp_arch": target.htp_arch, "soc_model": target.soc_model, "out": out.name}
-        env = dict(os.environ)
-        root = str(Path(graphbuild.__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            [sys.executable, "-m", _WORKER, json.dumps(request)],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        proc = run_worker(_WORKER, [json.dumps(request)], work)
         result_file = work / RESULT
         if not result_file.is_file():
             raise ExportError(

@@ -39,7 +39,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,7 +47,6 @@ from typing import Any
 
 import onnx
 
-import graphbuild
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.targets.qnn.htp_runtime.backend import HtpTarget, require_backend
 from graphbuild.targets.qnn.htp_runtime.context import context_binaries
@@ -61,6 +59,7 @@ from graphbuild.targets.qnn.htp_runtime.shared_weights import (
     _weight_sharing,
     require_weight_sharing,
 )
+from graphbuild.targets.workers import run_worker
 
 __all__ = [
     "RECIPE",
@@ -280,17 +279,7 @@ def _place(model: ModelSource, directory: Path, graph: str) -> Path:
 def spawn_worker(work: Path, request: Mapping[str, Any]) -> tuple[subprocess.CompletedProcess, Any]:
     """The worker (:mod:`.shared_worker`) run in ``work`` on ``request``: (the process, its
     result or None)."""
-    env = dict(os.environ)
-    root = str(Path(graphbuild.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", _WORKER, json.dumps(request)],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    proc = run_worker(_WORKER, [json.dumps(request)], work)
     result_file = work / _RESULT
     return proc, json.loads(result_file.read_text()) if result_file.is_file() else None
 

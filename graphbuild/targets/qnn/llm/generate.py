@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 
-import graphbuild
 from graphbuild.errors import ConfigError
 from graphbuild.targets.qnn.llm.errors import (
     GenaiCrashedError,
@@ -45,6 +44,7 @@ from graphbuild.targets.qnn.llm.errors import (
     IncompleteBundleError,
 )
 from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
+from graphbuild.targets.workers import run_worker
 
 __all__ = ["Generation", "bundle_uses_qnn", "check_bundle", "generate"]
 
@@ -217,9 +217,7 @@ def _run_isolated(
         work = Path(tmp)
         (work / _REQUEST).write_text(json.dumps(request))
         env = dict(os.environ)
-        root = str(Path(graphbuild.__file__).resolve().parents[1])
         paths = [str(Path(genai_path).resolve())] if genai_path is not None else []
-        env["PYTHONPATH"] = os.pathsep.join([*paths, root, *filter(None, [env.get("PYTHONPATH")])])
         if request["qnn"]:  # a bundle names QNN's backend by file name: the child finds it
             libraries = _qnn_library_dir()
             if libraries:
@@ -227,13 +225,8 @@ def _run_isolated(
                     [libraries, *filter(None, [env.get("LD_LIBRARY_PATH")])]
                 )
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", _WORKER, str(work)],
-                cwd=work,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
+            proc = run_worker(
+                _WORKER, [str(work)], work, env=env, first_on_path=paths, timeout=timeout
             )
         except subprocess.TimeoutExpired as exc:
             raise GenaiCrashedError(
