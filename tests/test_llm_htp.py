@@ -230,3 +230,32 @@ def test_qk_norm_parts_compile_on_the_htp_fully_quantized(tmp_path: Path, preset
     assert coverage["quantized"] == coverage["expected"] > 0 and coverage["float"] == []
     bins = sorted(p.name for p in (tmp_path / "out" / "htp").glob("*.bin"))
     assert bins == [f"lm_part_{i}_of_3.bin" for i in (1, 2, 3)]
+
+
+@needs_htp
+def test_check_htp_reports_the_htps_tokens_against_the_cpu_graphs(tmp_path: Path) -> None:
+    """--check-htp for the llm format: the part graphs generate on the HTP simulator (a context
+    per graph, which the report says) and on the CPU; the report gives both and where they
+    part, if they do, with each side's lead there."""
+    artifacts = _export(
+        causal_lm("llama", layers=2),
+        tmp_path / "out",
+        tmp_path / "cache",
+        contexts=False,
+        check_htp=True,
+    )
+    report = artifacts.report.extra["htp"]
+    assert "weight-shared binary" in report["contexts"]
+    assert len(report["tokens"]) == 16 and len(report["cpu_tokens"]) == 16
+    floats = report["sqnr_db_vs_float"]
+    assert len(floats["htp"]) == len(floats["cpu"]) >= 1
+    # QNN's 16-bit kernels round otherwise than onnxruntime's CPU: each is held to the float
+    # model, the HTP within 3 dB of the CPU at its worst step
+    assert min(floats["htp"]) >= min(floats["cpu"]) - 3
+    if report["equal"]:
+        assert report["tokens"] == report["cpu_tokens"]
+        assert "16 tokens equal to the CPU graphs'" in report["summary"]
+    else:
+        step = report["first_difference"]["step"]
+        assert report["tokens"][:step] == report["cpu_tokens"][:step]
+        assert f"step {step}" in report["summary"]

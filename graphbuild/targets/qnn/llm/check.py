@@ -122,12 +122,17 @@ def check_generation(inputs: tuple, samples: Any, context: Any) -> dict[str, Any
 
 
 def _onnxruntime_generation(
-    bundle: Path, plan: LlmPlan, lm: Any, prompt: list[int], steps: int
+    bundle: Path,
+    plan: LlmPlan,
+    lm: Any,
+    prompt: list[int],
+    steps: int,
+    session_factory: Any = None,
 ) -> tuple[list[int], list[np.ndarray]]:
     from graphbuild.targets.qnn.llm.ort_runner import onnx_caller
     from graphbuild.targets.qnn.llm.runner import PartRunner
 
-    call, encodings = onnx_caller(bundle, plan)
+    call, encodings = onnx_caller(bundle, plan, session_factory=session_factory)
     runner = PartRunner(
         lm, plan.specs, plan.prompt_len, plan.context_len, kv_encodings=encodings, caller=call
     )
@@ -147,3 +152,80 @@ def _summary(report: dict[str, Any]) -> str:
         f"tokens differ from transformers' at step {diff['step']} of {n} ({report['runtime']}; "
         f"leads there: transformers {diff['reference_lead']}, bundle {diff['bundle_lead']})"
     )
+
+
+#: Tokens the HTP check generates (each a run of every part graph on the x86 simulator).
+HTP_CHECK_TOKENS = 16
+#: How the HTP check compiles the graphs, as its report says.
+PER_GRAPH = (
+    "a context per graph: onnxruntime-qnn's x86 simulator cannot load a weight-shared binary "
+    "(it crashes in libQnnHtp), so each QDQ part graph is compiled on its own"
+)
+
+
+def check_generation_htp(
+    htp_arch: str, soc_model: str, inputs: tuple, samples: Any, context: Any
+) -> dict[str, Any]:
+    """The part graphs on QNN's HTP (CPU fallback disabled) against the same graphs on the
+    CPU: both generate greedily from the sample prompt through graphbuild's runner; the report
+    gives both token lists, the first step they differ with each side's lead there (QNN's
+    16-bit kernels flip near-ties), and the HTP logits' SQNR against the CPU's per step."""
+    from graphbuild.targets.qnn.arch.targets import HtpTarget
+    from graphbuild.targets.qnn.htp_runtime import open_session
+
+    plan_json, *graphs = inputs
+    plan = LlmPlan.from_json(plan_json)
+    lm = find_causal_lm(context.input)
+    (prompt,) = token_prompts(None, samples)
+    padded = -(-len(prompt) // plan.prompt_len) * plan.prompt_len
+    steps = max(1, min(HTP_CHECK_TOKENS, plan.context_len - padded - 1))
+    target = HtpTarget(htp_arch, soc_model)
+    with tempfile.TemporaryDirectory(prefix="graphbuild-llm-htp-") as tmp:
+        bundle = _write_bundle(Path(tmp), graphs, {})
+        cpu = _onnxruntime_generation(bundle, plan, lm, prompt, steps)
+        htp = _onnxruntime_generation(
+            bundle, plan, lm, prompt, steps, lambda path: open_session(path, target).session
+        )
+    result = compare(*htp, *cpu)
+    result["cpu_tokens"] = result.pop("reference_tokens")
+    # against the float model too, while all three chose the same tokens: QNN's 16-bit kernels
+    # round differently from onnxruntime's CPU, so what matters is how far each is from float
+    ref_tokens, ref_logits = reference_generation(context.input, prompt, steps)
+    agree = 0
+    while (
+        agree < min(len(htp[0]), len(cpu[0]), len(ref_tokens))
+        and htp[0][agree] == cpu[0][agree] == ref_tokens[agree]
+    ):
+        agree += 1
+    upto = min(agree + 1, len(htp[0]), len(cpu[0]), len(ref_tokens))
+    result["sqnr_db_vs_float"] = {
+        "cpu": [round(sqnr_db(ref_logits[i], cpu[1][i]), 2) for i in range(upto)],
+        "htp": [round(sqnr_db(ref_logits[i], htp[1][i]), 2) for i in range(upto)],
+    }
+    if "first_difference" in result:
+        diff = result["first_difference"]
+        diff["cpu_lead"] = diff.pop("reference_lead")
+        diff["htp_lead"] = diff.pop("bundle_lead")
+    n = len(result["tokens"])
+    if result["equal"]:
+        floats = result["sqnr_db_vs_float"]
+        cpu_low = min(floats["cpu"], default=float("nan"))
+        htp_low = min(floats["htp"], default=float("nan"))
+        summary = (
+            f"{target}: {n} tokens equal to the CPU graphs' (logits SQNR against the float "
+            f"model >= {htp_low:.1f} dB on the HTP, {cpu_low:.1f} dB on the CPU; a context "
+            "per graph)"
+        )
+    else:
+        diff = result["first_difference"]
+        summary = (
+            f"{target}: tokens differ from the CPU graphs' at step {diff['step']} of {n} "
+            f"(leads there: CPU {diff['cpu_lead']}, HTP {diff['htp_lead']}; a context per graph)"
+        )
+    return {
+        "target": str(target),
+        "contexts": PER_GRAPH,
+        "prompt": prompt,
+        **result,
+        "summary": summary,
+    }

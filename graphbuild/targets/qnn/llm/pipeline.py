@@ -32,7 +32,7 @@ from graphbuild.targets.qnn.htp_runtime.shared_weights import require_weight_sha
 from graphbuild.targets.qnn.llm import bundle, htp_bundle, stages
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.bundle import CPU
-from graphbuild.targets.qnn.llm.check import check_generation
+from graphbuild.targets.qnn.llm.check import check_generation, check_generation_htp
 from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
 from graphbuild.targets.qnn.llm.include import include_part
 from graphbuild.targets.qnn.llm.plan import KINDS, make_plan
@@ -155,6 +155,8 @@ def build_llm_pipeline(request: Request) -> Pipeline:
             )
             check.depends_on(plan, cpu, *graphs)
             p.reports["numerics"] = check.name
+    if opts.check_htp:
+        _add_htp_checks(p, opts.htp_targets(), plan, graphs_of)
     if targets:
         products += _add_context_stages(p, targets, graphs_of, plan, rope)
         files |= htp_bundle.bundle_files(
@@ -174,7 +176,7 @@ def _add_context_stages(
 ) -> list[str]:
     """``p<i>.context.<label>`` per part and HTP target, ``htp_bundle`` (with an 8-bit KV
     cache: genai's) and ``genie_bundle`` (:mod:`.htp_bundle`); their names, as products."""
-    from graphbuild.targets.qnn.pipeline.htp import HTP_BACKEND
+    from graphbuild.targets.qnn.pipeline.htp import HTP_BACKEND, QNN_HTP
 
     names = []
     for t in targets:
@@ -190,7 +192,9 @@ def _add_context_stages(
                 soc_model=t.soc_model,
             )
             ref = p.register_stage(
-                stage, f"p{index}.context.{t.label}", reads=("ctx.model_name", HTP_BACKEND)
+                stage,
+                f"p{index}.context.{t.label}",
+                reads=("ctx.model_name", HTP_BACKEND, QNN_HTP),
             ).depends_on(*graphs)
             names.append(ref.name)
     pairs = tuple((t.htp_arch, t.soc_model) for t in targets)
@@ -210,6 +214,24 @@ def _add_context_stages(
         reads=("ctx.model_name", "input.structure"),
     ).depends_on(plan)
     return [*names, genie.name]
+
+
+def _add_htp_checks(
+    p: Pipeline, targets: Sequence[HtpTarget], plan: StageRef, graphs_of: dict[int, list[StageRef]]
+) -> None:
+    """``check_htp_<label>`` per HTP target (:func:`.check.check_generation_htp`); the first
+    target's report is the export's ``htp`` report."""
+    from graphbuild.targets.qnn.pipeline.htp import HTP_BACKEND, QNN_HTP
+
+    graphs = [g for index in sorted(graphs_of) for g in graphs_of[index]]
+    for i, t in enumerate(targets):
+        check = p.register_stage(
+            functools.partial(check_generation_htp, t.htp_arch, t.soc_model),
+            f"check_htp_{t.label}",
+            reads=("input", "samples", HTP_BACKEND, QNN_HTP),
+        ).depends_on(plan, *graphs)
+        if i == 0:
+            p.reports["htp"] = check.name
 
 
 class _SubRequest:
