@@ -24,7 +24,7 @@ from graphbuild.onnx.save import write_model
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.bundle import CPU
 from graphbuild.targets.qnn.llm.plan import LlmPlan
-from graphbuild.targets.qnn.llm.stages import token_prompts
+from graphbuild.targets.qnn.llm.stages import token_ids
 
 #: Tokens generated for the check (fewer when the context ends first).
 CHECK_TOKENS = 32
@@ -93,7 +93,7 @@ def check_generation(inputs: tuple, samples: Any, context: Any) -> dict[str, Any
     plan_json, files, *graphs = inputs
     plan = LlmPlan.from_json(plan_json)
     model = context.input
-    (prompt,) = token_prompts(None, samples)
+    prompt = token_ids(samples, "the sample inputs")
     padded = -(-len(prompt) // plan.prompt_len) * plan.prompt_len
     steps = max(1, min(CHECK_TOKENS, plan.context_len - padded - 1))
     ref_tokens, ref_logits = reference_generation(model, prompt, steps)
@@ -176,7 +176,7 @@ def check_generation_htp(
     plan_json, *graphs = inputs
     plan = LlmPlan.from_json(plan_json)
     lm = find_causal_lm(context.input)
-    (prompt,) = token_prompts(None, samples)
+    prompt = token_ids(samples, "the sample inputs")
     padded = -(-len(prompt) // plan.prompt_len) * plan.prompt_len
     steps = max(1, min(HTP_CHECK_TOKENS, plan.context_len - padded - 1))
     target = HtpTarget(htp_arch, soc_model)

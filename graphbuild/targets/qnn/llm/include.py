@@ -53,10 +53,10 @@ class PartContext(Mapping[str, Any]):
         return self._outer[key]
 
     def get(self, key: str, default: Any = None) -> Any:
-        try:
+        # not Mapping.get: it would catch the KeyError an undeclared read raises
+        if key in self._own:
             return self[key]
-        except KeyError:
-            return default
+        return self._outer.get(key, default)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._outer)

@@ -48,8 +48,8 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     opts = coerce_options(QnnOnnxOptions, request.options, request.target)
     model = getattr(request, "model", None)
     # token ids, or an error now, before any stage runs
-    stages.token_prompts(None, getattr(request, "data", None))
-    stages.token_prompts(opts.calibration, None)
+    stages.token_ids(getattr(request, "data", None), "the sample inputs")
+    stages.token_prompts(opts.calibration, getattr(request, "data", None))
     targets = opts.htp_targets() if opts.contexts else ()
     for t in targets:  # before any work: contexts share weights from v73 on
         try:

@@ -38,30 +38,30 @@ def llm_plan(model: Any, samples: Any, context: Any) -> dict[str, Any]:
     return plan.to_json()
 
 
+def token_ids(batch: Any, what: str) -> list[int]:
+    """``batch`` (an integer tensor of token ids [1, P], or a tuple holding one) as a list;
+    a ConfigError naming ``what`` for anything else."""
+    ids = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 1 else batch
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.is_floating_point()
+        or ids.dim() != 2
+        or ids.shape[0] != 1
+        or ids.shape[1] == 0
+    ):
+        got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ConfigError(
+            f"{what} must be token ids, an integer tensor of shape [1, P] (or a tuple "
+            f"holding one), for the llm format: got {got}"
+        )
+    return [int(t) for t in ids[0]]
+
+
 def token_prompts(calibration: Any, samples: Any) -> list[list[int]]:
-    """The calibration prompts as token id lists: each batch a tensor of token ids [1, P]
-    (or a tuple holding one); without calibration, the sample prompt."""
-    if calibration is None and samples is None:
-        return []
-    batches = list(calibration) if calibration else [samples]
-    prompts = []
-    for i, batch in enumerate(batches):
-        ids = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 1 else batch
-        if (
-            not isinstance(ids, torch.Tensor)
-            or ids.is_floating_point()
-            or ids.dim() != 2
-            or ids.shape[0] != 1
-            or ids.shape[1] == 0
-        ):
-            what = "the sample inputs" if not calibration else f"calibration batch {i}"
-            got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ConfigError(
-                f"{what} must be token ids, an integer tensor of shape [1, P] (or a tuple "
-                f"holding one), for the llm format: got {got}"
-            )
-        prompts.append([int(t) for t in ids[0]])
-    return prompts
+    """The calibration sequences as token id lists; without calibration, the sample prompt."""
+    if not calibration:
+        return [token_ids(samples, "the sample inputs")]
+    return [token_ids(b, f"calibration batch {i}") for i, b in enumerate(calibration)]
 
 
 def llm_generation(inputs: tuple, samples: Any, context: Any) -> dict[str, Any]:
