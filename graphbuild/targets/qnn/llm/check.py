@@ -30,6 +30,13 @@ from graphbuild.targets.qnn.llm.stages import token_ids
 CHECK_TOKENS = 32
 
 
+def _steps(plan: LlmPlan, prompt: list[int], most: int) -> int:
+    """Tokens to generate: ``most``, fewer where the context ends first (the prompt counted
+    padded to whole windows, as genai pads it)."""
+    padded = -(-len(prompt) // plan.prompt_len) * plan.prompt_len
+    return max(1, min(most, plan.context_len - padded - 1))
+
+
 def reference_generation(
     model: torch.nn.Module, prompt: list[int], steps: int
 ) -> tuple[list[int], list[np.ndarray]]:
@@ -94,8 +101,7 @@ def check_generation(inputs: tuple, samples: Any, context: Any) -> dict[str, Any
     plan = LlmPlan.from_json(plan_json)
     model = context.input
     prompt = token_ids(samples, "the sample inputs")
-    padded = -(-len(prompt) // plan.prompt_len) * plan.prompt_len
-    steps = max(1, min(CHECK_TOKENS, plan.context_len - padded - 1))
+    steps = _steps(plan, prompt, CHECK_TOKENS)
     ref_tokens, ref_logits = reference_generation(model, prompt, steps)
     with tempfile.TemporaryDirectory(prefix="graphbuild-llm-check-") as tmp:
         bundle = _write_bundle(Path(tmp), graphs, files)
@@ -177,8 +183,7 @@ def check_generation_htp(
     plan = LlmPlan.from_json(plan_json)
     lm = find_causal_lm(context.input)
     prompt = token_ids(samples, "the sample inputs")
-    padded = -(-len(prompt) // plan.prompt_len) * plan.prompt_len
-    steps = max(1, min(HTP_CHECK_TOKENS, plan.context_len - padded - 1))
+    steps = _steps(plan, prompt, HTP_CHECK_TOKENS)
     target = HtpTarget(htp_arch, soc_model)
     with tempfile.TemporaryDirectory(prefix="graphbuild-llm-htp-") as tmp:
         bundle = _write_bundle(Path(tmp), graphs, {})

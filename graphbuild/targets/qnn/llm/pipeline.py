@@ -126,21 +126,13 @@ def build_llm_pipeline(request: Request) -> Pipeline:
             products.append(graph.name)
             graphs_of.setdefault(index, []).append(graph)
             coverages.append(names["coverage"])
-            graph_names.append(
-                specs[index - 1].graph_name(
-                    kind, opts.prompt_len if kind == "prompt" else 1, opts.context_len
-                )
-            )
+            graph_names.append(layout.graph_name(index, kind))
     coverage = p.register_stage(
         functools.partial(stages.coverage_summary, tuple(graph_names)), "coverage", reads=()
     )
     coverage.depends_on(*coverages)
     p.reports["coverage"] = coverage.name
-    files = {
-        f"{CPU}/{spec.graph_name(kind, opts.prompt_len if kind == 'prompt' else 1, opts.context_len)}.onnx"
-        for spec in specs
-        for kind in KINDS
-    }
+    files = {f"{CPU}/{name}.onnx" for name in graph_names}
     rope = None
     if opts.kv_bits == 8:  # onnxruntime-genai's windowed cache holds uint8 only
         rope = p.register_stage(bundle.rotary, "rotary", reads=("input.state",))
