@@ -4,8 +4,9 @@ Tiers, bottom to top: errors, compat, hashing (byte digests) and version; cache 
 manifests) and quant (the quant map and marker, the interface between front ends and
 formats); engine (the build engine: keys, codecs, the scheduler, the artifact-aware Cache);
 the torch.export front end (frontend) and the ONNX format (onnx), which know nothing of each
-other; targets and output placement; api and config; sweeps (many exports as one build); the
-command line; the package's top. A
+other; targets and output placement; api (the export request); config (a file that describes
+one, and the one function that turns it into a request); sweeps (many exports as one build);
+the command line; the package's top. A
 module imports its own part of graphbuild or a lower tier, never a peer of its own tier.
 """
 
@@ -36,11 +37,11 @@ TIERS = {
     "targets": 4,
     "output": 4,
     "api": 5,
-    "config": 5,
-    "sweeps": 6,
-    "cli": 7,
-    "__init__": 8,
-    "__main__": 8,
+    "config": 6,
+    "sweeps": 7,
+    "cli": 8,
+    "__init__": 9,
+    "__main__": 9,
 }
 
 #: Modules may be longer than this only when their docstring has a line starting with

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -228,10 +227,11 @@ def build_request(
     listeners: Sequence[Callable[[StageEvent], None]] = (),
 ) -> tuple[ExportRequest, Pipeline]:
     """The export request the config describes and its pipeline (built before anything runs,
-    so an unknown target, format or option is a configuration error)."""
+    so an unknown target, format or option is a configuration error), made as a sweep makes
+    each variant's (:func:`graphbuild.config.request.export_request`)."""
     cfg.check()  # before torch is imported: a typo is answered at once
     quiet_torch()
-    from graphbuild.api import ExportRequest, build_pipeline
+    from graphbuild.config.request import export_request
 
     if not cfg.model_name:
         raise ConfigError(
@@ -239,17 +239,6 @@ def build_request(
             "or pass --model path/to/model.py:build"
         )
     model, samples, calibration = cfg.load_model() if load_model else (None, None, None)
-    request = ExportRequest(
-        model=model,
-        data=samples,
-        output_directory=cfg.output_dir,
-        model_name=cfg.model_name,
-        target=cfg.target,
-        format=cfg.format,
-        options=cfg.export_options(calibration),
-        cache=cache if cache is not None else False,
-        force=force,
-        listeners=listeners,
+    return export_request(
+        cfg, model, samples, calibration, cache=cache, force=force, listeners=listeners
     )
-    pipeline = build_pipeline(request)
-    return replace(request, pipeline_factory=lambda _request: pipeline), pipeline

@@ -3,8 +3,9 @@
 The process that plans a sweep and every worker that runs its jobs build each variant the
 same way, from a :class:`VariantSpec` (plain data, sent to workers): load the configuration
 with the sweep's and the variant's overrides, call the model factory, make the export request
-and its pipeline. A worker that builds something else (an unseeded model factory) computes
-other keys, which the job refuses (:class:`~graphbuild.errors.KeyMismatchError`).
+and its pipeline (``graphbuild.config.export_request``, as ``graphbuild export`` does). A
+worker that builds something else (an unseeded model factory) computes other keys, which the
+job refuses (:class:`~graphbuild.errors.KeyMismatchError`).
 
 In one process each distinct model (factory and samples) is built once and shared by the
 variants that name it, with one set of fingerprints (the sweep never changes it).
@@ -14,18 +15,18 @@ variants that name it, with one set of fingerprints (the sweep never changes it)
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from graphbuild.api import ExportRequest, build_pipeline
 from graphbuild.cache.leases import DEFAULT_SECONDS
-from graphbuild.config import Config, load_config
+from graphbuild.config import Config, export_request, load_config
 from graphbuild.engine.batch import Build
 from graphbuild.engine.store import Cache
 from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
+    from graphbuild.api import ExportRequest
     from graphbuild.engine.pipeline import Pipeline
 
 __all__ = ["KEEP_VALUES", "CacheSpec", "VariantBuilds", "VariantSpec"]
@@ -118,18 +119,9 @@ class VariantBuilds:
         calibration_key = (str(cfg.root), cfg.calibration)
         if calibration_key not in self._calibrations:
             self._calibrations[calibration_key] = cfg.load_calibration()
-        request = ExportRequest(
-            model=model,
-            data=samples,
-            output_directory=cfg.output_dir,
-            model_name=cfg.model_name,
-            target=cfg.target,
-            format=cfg.format,
-            options=cfg.export_options(self._calibrations[calibration_key]),
-            cache=self.cache if self.cache is not None else False,
+        request, pipeline = export_request(
+            cfg, model, samples, self._calibrations[calibration_key], cache=self.cache
         )
-        pipeline = build_pipeline(request)
-        request = replace(request, pipeline_factory=lambda _request: pipeline)
         build = Build(
             spec.name, pipeline, model, samples, request.context(), request.run_id(), facets
         )
