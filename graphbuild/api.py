@@ -69,16 +69,22 @@ class ExportRequest:
                 "separator; put the directory in output_directory"
             )
 
-    def check(self) -> None:
+    def check(self, *, own_pipeline: bool = False) -> None:
         """Refuse, before any stage runs, arguments of the wrong type: an
         :class:`ArgumentTypeError` naming the argument, not a bare ``TypeError`` from inside
-        a stage. The output directory and the cache are checked where they are opened."""
+        a stage. The output directory and the cache are checked where they are opened.
+        ``own_pipeline``: the caller brings the pipeline, which decides what the model and
+        data may be (as a ``pipeline_factory``'s does)."""
         if not isinstance(self.output_directory, (str, os.PathLike)):
             got = _kind(self.output_directory)
             raise ArgumentTypeError(
                 f"output_directory must be a path (str or os.PathLike), got {got}"
             )
-        builtin = self.pipeline_factory is None and find_target(self.target) is not None
+        builtin = (
+            not own_pipeline
+            and self.pipeline_factory is None
+            and find_target(self.target) is not None
+        )
         if builtin and not isinstance(self.model, torch.nn.Module):
             raise ArgumentTypeError(
                 f"the model must be a torch.nn.Module, got {_kind(self.model)}; pass the "
@@ -172,11 +178,43 @@ def build_pipeline(request: ExportRequest) -> Pipeline:
     return registry.get(request.target, request.format)(request)
 
 
-def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
-    """Build the export described by ``request`` and place its files."""
-    request.check()
+def export_with_pipeline(
+    request: ExportRequest, pipeline: Pipeline | None = None
+) -> ExportArtifacts:
+    """Build the export described by ``request`` with ``pipeline`` and place its files.
+
+    ``pipeline``: a :class:`~graphbuild.engine.pipeline.Pipeline` you built or edited (for
+    instance ``build_qnn_pipeline(request, fmt="onnx")`` with a stage inserted); its
+    ``products`` become the files. None: the pipeline of the request's ``pipeline_factory``,
+    else of its ``(target, format)``. Giving both a pipeline and a ``pipeline_factory`` is an
+    :class:`ArgumentTypeError`, as is an argument of the wrong type."""
+    if not isinstance(request, ExportRequest):
+        hint = (
+            "; the pipeline goes second: export_with_pipeline(request, pipeline)"
+            if isinstance(request, Pipeline)
+            else ""
+        )
+        raise ArgumentTypeError(
+            f"export_with_pipeline takes an ExportRequest first, got {_kind(request)}{hint}"
+        )
+    if pipeline is not None and not isinstance(pipeline, Pipeline):
+        hint = (
+            "; a function that builds a pipeline from the request goes in "
+            "ExportRequest(pipeline_factory=...)"
+            if callable(pipeline)
+            else ""
+        )
+        raise ArgumentTypeError(
+            f"pipeline must be a graphbuild Pipeline, got {_kind(pipeline)}{hint}"
+        )
+    if pipeline is not None and request.pipeline_factory is not None:
+        raise ArgumentTypeError(
+            "both a pipeline and the request's pipeline_factory were given: pass one"
+        )
+    request.check(own_pipeline=pipeline is not None)
     check_output_directory(Path(request.output_directory), request.model_name)
-    pipeline = build_pipeline(request)
+    if pipeline is None:
+        pipeline = build_pipeline(request)
     cache = resolve_cache(request.cache)
     listeners = list(request.listeners)
     if request.verbose:
