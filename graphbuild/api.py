@@ -232,8 +232,7 @@ def export_with_pipeline(
         check=request.check_fingerprints,
         background_writes=True,  # the cache is written while the files are placed
     )
-    reports = pipeline.reports or {"numerics": "check_numerics"}
-    for name, stage in reports.items():
+    for name, stage in pipeline.reports.items():  # what the pipeline declares
         if stage in result.outputs:
             result.report.extra[name] = result.outputs[stage]
     note = _model_outputs_note(request.model, result.outputs)

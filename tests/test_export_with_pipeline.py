@@ -116,3 +116,19 @@ def test_the_pipeline_given_decides_what_the_inputs_may_be(tmp_path):
     art = gb.export_with_pipeline(request, note_pipeline("net"))
 
     assert art.files["txt"].read_text().startswith("sum ")
+
+
+def test_an_export_returns_the_reports_its_pipeline_declares(tmp_path):
+    """No stage name is a report by convention: ``pipeline.reports`` names them all."""
+
+    def check_numerics(inputs, samples, ctx):
+        return {"summary": "checked"}
+
+    pipeline = note_pipeline("net")
+    pipeline.register_stage(check_numerics, "check_numerics", reads=()).depends_on("weights")
+    undeclared = gb.export_with_pipeline(_request(tmp_path), pipeline)
+    pipeline.reports["numerics"] = "check_numerics"
+    declared = gb.export_with_pipeline(_request(tmp_path), pipeline)
+
+    assert "numerics" not in undeclared.report.extra
+    assert declared.report.extra["numerics"] == {"summary": "checked"}

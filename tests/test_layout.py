@@ -234,6 +234,27 @@ def test_no_target_names_outside_the_targets_own_package() -> None:
     assert not found, "target names outside their package:\n" + "\n".join(found)
 
 
+def test_no_target_flag_outside_the_targets_own_package() -> None:
+    """A target declares its ``graphbuild export`` flags (``Target.export_flags``): the
+    command line reads them from there and spells none (no ``--check-htp``, ``check_htp``)."""
+    from graphbuild.targets.registry import get_target
+
+    found = []
+    for target, homes in _TARGET_HOMES.items():
+        flags = get_target(target).export_flags
+        spelled = {f"--{f.name}" for f in flags} | {f.option for f in flags}
+        spelled |= {f.name for f in flags} | {f"options.{f.option}" for f in flags}
+        for path in sorted(PACKAGE.rglob("*.py")):
+            rel = path.relative_to(PACKAGE).as_posix()
+            if rel.startswith(homes):
+                continue
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for line, text in _code_strings_and_names(tree):
+                if any(word in text for word in spelled):
+                    found.append(f"{rel}:{line}: {text!r}")
+    assert not found, "target flags outside their target's package:\n" + "\n".join(found)
+
+
 # The QNN target's package: its modules in folders by concern, each short enough to read whole,
 # and no import cycle among the targets' modules.
 QNN = PACKAGE / "targets" / "qnn"

@@ -179,7 +179,8 @@ def _spec(
     check_numerics: bool,
 ) -> VariantSpec:
     """The variant's spec: the sweep's overrides, its directory, its own values, and the
-    numerics check on where its target has one (its SQNR is what a sweep compares)."""
+    numerics check on where its target declares one (``Target.numerics_option``: its SQNR is
+    what a sweep compares)."""
     from graphbuild.targets.registry import get_target
 
     overrides = [*base, ("output_dir", str(out)), *variant.overrides]
@@ -189,8 +190,8 @@ def _spec(
             target = get_target(spec.load_config().target)
         except ConfigError as err:
             raise ConfigError(f"sweep variant {variant.name}: {err}") from err
-        if "check_numerics" in target.config_schema:
-            numerics = ("options.check_numerics", True)
+        if target.numerics_option is not None:
+            numerics = (f"options.{target.numerics_option}", True)
             spec = VariantSpec(
                 variant.name, config, str(cwd), (*base, numerics, *overrides[len(base) :])
             )
