@@ -28,6 +28,7 @@ from graphbuild.errors import ConfigError
 if TYPE_CHECKING:
     from graphbuild.api import ExportRequest
     from graphbuild.engine.pipeline import Pipeline
+    from graphbuild.sweeps.memory import InMemory
 
 __all__ = ["KEEP_VALUES", "CacheSpec", "VariantBuilds", "VariantSpec"]
 
@@ -38,17 +39,20 @@ KEEP_VALUES = 1 << 30
 
 @dataclass(frozen=True)
 class VariantSpec:
-    """What any process needs to build one variant: the config file (None: none, the
-    overrides name the model), the directory relative paths start from, and the overrides
-    (the sweep's, then the variant's)."""
+    """What any process needs to build one variant: the config file (None: the one found
+    from ``cwd``, or with ``search`` off none, the overrides naming the model), the directory
+    relative paths start from, and the overrides (the sweep's, then the variant's)."""
 
     name: str
     config: str | None
     cwd: str
     overrides: tuple[tuple[str, Any], ...]
+    search: bool = True
 
     def load_config(self) -> Config:
-        return load_config(self.config, self.cwd, self.overrides)
+        return load_config(
+            self.config, self.cwd, self.overrides, required=self.search, search=self.search
+        )
 
 
 @dataclass(frozen=True)
@@ -88,9 +92,15 @@ class VariantBuild:
 class VariantBuilds:
     """Builds variants in this process on demand, each distinct model once."""
 
-    def __init__(self, specs: list[VariantSpec] | tuple[VariantSpec, ...], cache: Cache | None):
+    def __init__(
+        self,
+        specs: list[VariantSpec] | tuple[VariantSpec, ...],
+        cache: Cache | None,
+        memory: InMemory | None = None,
+    ):
         self.specs = {s.name: s for s in specs}
         self.cache = cache
+        self.memory = memory
         self._models: dict[tuple, tuple[Any, Any, Any]] = {}
         self._calibrations: dict[tuple, Any] = {}
         self._built: dict[str, VariantBuild] = {}
@@ -111,14 +121,22 @@ class VariantBuilds:
                 f'variant {spec.name}: no model configured; set model = "file.py:build" '
                 "or pass --model"
             )
+        memory = self.memory if self.memory is not None and cfg.model is None else None
         key = (str(cfg.root), cfg.model, cfg.samples)
         if key not in self._models:
-            model, samples = cfg.load_model_and_samples()
+            if memory is not None:
+                model, samples = memory.model, memory.samples
+            else:
+                model, samples = cfg.load_model_and_samples()
             self._models[key] = (model, samples, InputFacets(model, samples))
         model, samples, facets = self._models[key]
         calibration_key = (str(cfg.root), cfg.calibration)
         if calibration_key not in self._calibrations:
-            self._calibrations[calibration_key] = cfg.load_calibration()
+            held = self.memory.calibration(cfg.calibration) if self.memory else None
+            if held is not None:
+                self._calibrations[calibration_key] = held
+            else:
+                self._calibrations[calibration_key] = cfg.load_calibration()
         request, pipeline = export_request(
             cfg, model, samples, self._calibrations[calibration_key], cache=self.cache
         )
