@@ -12,11 +12,11 @@ Two things ``prepare_pt2e`` does depend on values, and both are kept apart:
 
 - it folds BatchNorm into the convolution (or linear layer) before it: the graph change is
   structure, the folded tensors are values. The placement records which state tensors the
-  fold rewrites or creates (``Placement.folded``); :func:`fold_weights` recomputes them from
+  fold rewrites or creates (``SitePlacement.folded``); :func:`fold_weights` recomputes them from
   the real weights the same way.
 - the quantizer's graph rewrites may create tensors of their own (a number an op reads made
   a 0-d constant): they depend on the code only and travel with the placement
-  (``Placement.created``), as do the program's lifted constants.
+  (``SitePlacement.created``), as do the program's lifted constants.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from graphbuild.errors import ExportError
 from graphbuild.frontend.quantize import check_no_buffer_mutation, load_state, resolve_attr
 from graphbuild.quant.markers import MARKER_TARGET, is_marker
 
-__all__ = ["Group", "Placement", "Site", "fold_weights", "place_quantizers"]
+__all__ = ["Group", "Site", "SitePlacement", "fold_weights", "place_quantizers"]
 
 #: what a site's marker reads: a parameter or buffer, a lifted constant, a model input, or a
 #: tensor the graph computes
@@ -81,7 +81,7 @@ class Group:
 
 
 @dataclass
-class Placement:
+class SitePlacement:
     """The site program (state as the capture left it: placeholders), its sites and groups,
     the state tensors a BatchNorm fold rewrites or creates, and the tensors the placement
     itself created (rewrite constants, lifted constants), by state or constant name."""
@@ -110,7 +110,7 @@ def place_quantizers(
     quantizer: Any,
     sample_args: tuple,
     describe: Describe | None = None,
-) -> Placement:
+) -> SitePlacement:
     """Place ``quantizer``'s observers on ``program`` (structure only) and trace the result
     with markers in their place. ``describe`` lets the target record what it needs per
     observer (the QNN presets: each preset's bit-width and symmetry)."""
@@ -135,7 +135,7 @@ def place_quantizers(
         if name not in known and name not in folded
     }
     created.update({k: v.detach().clone() for k, v in sites_program.constants.items()})
-    return Placement(sites_program, sites, groups, folded, created)
+    return SitePlacement(sites_program, sites, groups, folded, created)
 
 
 def _before_prepare(quantizer: Any, module: GraphModule) -> GraphModule:
