@@ -23,7 +23,7 @@ from graphbuild.engine.plan import plan
 from graphbuild.engine.store import Cache
 from graphbuild.errors import ArgumentTypeError, ConfigError, ExportError
 from graphbuild.output.directory import LOCK_FILE, check_output_directory
-from graphbuild.output.placement import Placement, json_safe, place_outputs
+from graphbuild.output.placement import FilePlacement, json_safe, place_outputs
 from graphbuild.targets.registry import (
     DEFAULT_TARGET,
     PipelineFactory,
@@ -271,7 +271,7 @@ def _place(
     }
     if result.report.extra:
         header["reports"] = json_safe(dict(result.report.extra))
-    placement = Placement(out_dir, request.model_name, context.get("external_data"), header)
+    placement = FilePlacement(out_dir, request.model_name, context.get("external_data"), header)
     files, lock = place_outputs(pipeline, result, placement, cache)
     return files, lock, out_dir
 
