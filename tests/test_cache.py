@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-import graphbuild.cache.store as store_module
+import graphbuild.cache.byte_store as store_module
 from graphbuild.cache import FileBlobs
 from graphbuild.cache.local.index import DiskIndex
 from graphbuild.engine.pipeline import Pipeline
@@ -338,7 +338,7 @@ def test_four_processes_building_on_one_cache_at_once_agree(tmp_path):
 
 
 class Clock:
-    """Stands in for the ``time`` module of graphbuild.cache.store."""
+    """Stands in for the ``time`` module of graphbuild.cache.byte_store."""
 
     def __init__(self) -> None:
         self.now = time.time()

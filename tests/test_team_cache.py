@@ -391,7 +391,7 @@ def test_a_reader_whose_acl_forbids_writes_is_a_reader(redis_url, tmp_path, monk
     keys_before = sorted(client(redis_url).scan_iter())
     clock = time.time
     monkeypatch.setattr(
-        "graphbuild.cache.store.time", types.SimpleNamespace(time=lambda: clock() + age)
+        "graphbuild.cache.byte_store.time", types.SimpleNamespace(time=lambda: clock() + age)
     )
 
     reset()

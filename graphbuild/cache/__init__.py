@@ -8,14 +8,14 @@ the engine's :class:`~graphbuild.engine.store.Cache` (``graphbuild.Cache``) adds
 """
 
 from graphbuild.cache.base import ActionIndex, BlobStore, CorruptBlob, Stores, StoreUnavailable
-from graphbuild.cache.local import FileBlobs, default_cache_dir
-from graphbuild.cache.store import (
+from graphbuild.cache.byte_store import (
     ByteCache,
     CacheEntry,
     CacheStats,
     CorruptEntry,
     MaintenanceReport,
 )
+from graphbuild.cache.local import FileBlobs, default_cache_dir
 
 __all__ = [
     "ActionIndex",
