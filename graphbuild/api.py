@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.events import RunReport, StageEvent
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.plan import plan
-from graphbuild.engine.store import Cache
 from graphbuild.errors import ArgumentTypeError, ConfigError, ExportError
 from graphbuild.output.directory import LOCK_FILE, check_output_directory
 from graphbuild.output.placement import FilePlacement, json_safe, place_outputs

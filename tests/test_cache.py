@@ -20,8 +20,8 @@ from torch import nn
 import graphbuild.cache.byte_store as store_module
 from graphbuild.cache import FileBlobs
 from graphbuild.cache.local.index import DiskIndex
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from graphbuild.hashing import digest_bytes
 from tests.engine_helpers import CALLS, reset, stage
 
@@ -251,7 +251,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from graphbuild.engine.store import Cache
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.pipeline import Pipeline
 
 

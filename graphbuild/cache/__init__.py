@@ -4,7 +4,7 @@ and manifests only.
 ``base`` holds the two store protocols, ``local`` the cache directory, ``redis`` a Redis
 server, ``layered`` the two together, ``manifest`` the checks on what is read back;
 :class:`ByteCache` works over any pair and maintains it. Nothing here decodes an artifact:
-the engine's :class:`~graphbuild.engine.store.Cache` (``graphbuild.Cache``) adds that.
+the engine's :class:`~graphbuild.engine.artifact_store.Cache` (``graphbuild.Cache``) adds that.
 """
 
 from graphbuild.cache.base import ActionIndex, BlobStore, CorruptBlob, Stores, StoreUnavailable

@@ -14,9 +14,9 @@ from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
     from graphbuild.api import ExportRequest
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.engine.events import StageEvent
     from graphbuild.engine.pipeline import Pipeline
-    from graphbuild.engine.store import Cache
 
 __all__ = [
     "CacheDirOpt",
@@ -198,7 +198,7 @@ def open_cache(
     """The cache an export or a plan uses: the local directory, in front of the shared cache
     when a URL is given or configured. ``readonly`` (or ``[cache] readonly``) applies to the
     shared cache, or to the directory when there is none."""
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
 
     if no_cache:
         if cache_dir is not None or url is not None:

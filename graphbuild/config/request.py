@@ -20,9 +20,9 @@ from graphbuild.config.settings import Config
 
 if TYPE_CHECKING:
     from graphbuild.api import ExportRequest
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.engine.events import StageEvent
     from graphbuild.engine.pipeline import Pipeline
-    from graphbuild.engine.store import Cache
 
 __all__ = ["export_request"]
 

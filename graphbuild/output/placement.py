@@ -41,10 +41,10 @@ from typing import Any
 
 from graphbuild.cache.manifest import InvalidManifest, check_placement_stamp
 from graphbuild.cache.names import is_placed_path, is_plain_name
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.events import RunReport
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from graphbuild.engine.toolchain import pipeline_tools, toolchain_versions
 from graphbuild.errors import ExportError
 from graphbuild.hashing import digest_bytes, digest_json

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.sweeps.runner import SweepEvent, SweepResult
 
 __all__ = ["sweep"]
@@ -65,7 +65,7 @@ def sweep(
     ``model``). No config file is searched for (``config`` may still name one without a
     model), and the jobs run in this process."""
     from graphbuild.config import load_config, parse_override
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.errors import ArgumentTypeError, ConfigError
     from graphbuild.sweeps.builds import CacheSpec
     from graphbuild.sweeps.memory import in_memory

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from graphbuild.cache.leases import DEFAULT_SECONDS
 from graphbuild.config import Config, export_request, load_config
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.batch import Build
-from graphbuild.engine.store import Cache
 from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.engine import digest_memo
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.batch import BatchEvent, BatchReport, BatchStatus, run_batch
-from graphbuild.engine.store import Cache
 from graphbuild.errors import ConfigError, GraphbuildError
 from graphbuild.sweeps import report as reports
 from graphbuild.sweeps.builds import KEEP_VALUES, CacheSpec, VariantBuilds, VariantSpec
