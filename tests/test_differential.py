@@ -223,7 +223,7 @@ def factory_for(stage: str, split: bool | None = None):
     fn = clamp_a_copy if stage == "copy" else clamp_in_place
 
     def factory(request):
-        p = build_qnn_pipeline(request, split=split)
+        p = build_qnn_pipeline(request, one_stage_oracle=split is False)
         p.insert_stage_after("marker_graph", fn, "clamp", reads=())
         return p
 
@@ -232,7 +232,7 @@ def factory_for(stage: str, split: bool | None = None):
 
 def one_stage_pipeline(request):
     """The pipeline before quantization was split: PT2E quantize as one stage."""
-    return build_qnn_pipeline(request, split=False)
+    return build_qnn_pipeline(request, one_stage_oracle=True)
 
 
 class World:

@@ -5,12 +5,14 @@ changes values only (the ONNX exporter is cut off)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 import graphbuild as gb
 from examples import tiny_decoder
 from graphbuild.errors import ConfigError, StageError
+from graphbuild.targets.qnn import build_qnn_pipeline
 from graphbuild.targets.qnn.presets.overrides import parse_layer_overrides
 
 
@@ -19,7 +21,7 @@ def cache(tmp_path_factory):
     return gb.Cache(tmp_path_factory.mktemp("cache"))
 
 
-def export(tmp_path, cache, overrides, preset="w8a16", events=None):
+def export(tmp_path, cache, overrides, preset="w8a16", events=None, factory=None):
     model, samples = tiny_decoder.build()
     return gb.export(
         model,
@@ -34,6 +36,7 @@ def export(tmp_path, cache, overrides, preset="w8a16", events=None):
         ),
         cache=cache,
         listeners=[events.append] if events is not None else (),
+        pipeline_factory=factory,
     )
 
 
@@ -81,8 +84,48 @@ def test_a_bit_width_override_reruns_values_and_cuts_off_the_onnx_exporter(tmp_p
     report = export(tmp_path, cache, {"blocks.0.mlp.*": "w4"}, events=events).report
 
     assert report.statuses["capture"] == "hit"
-    assert report.statuses["quantize"] == "ran"
+    assert "quantize" not in report.statuses  # the preset's split, not PT2E in one stage
+    assert report.statuses["quant_map"] == "ran"
     assert report.statuses["to_onnx"] in ("hit", "cutoff")
+
+
+#: the stages that trace (torch.export, the ONNX exporter's input) or run calibration batches
+TRACE_AND_CALIBRATION = ("capture", "place_quantizers", "weight_stats", "calibrate")
+
+
+def oracle(request):
+    """PT2E prepare, calibrate and convert in one ``quantize`` stage: what the split must
+    write, byte for byte."""
+    return build_qnn_pipeline(request, one_stage_oracle=True)
+
+
+def files(art) -> dict[str, bytes]:
+    return {k: Path(v).read_bytes() for k, v in art.files.items() if k != "lock"}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"blocks.0.mlp.*": "w4", "blocks.1.attn.*": "a8"},
+        {"lm_head": "float", "blocks.1.mlp.down": "float"},
+        {"blocks.0.attn.*": "float", "blocks.1.*": "w4a16"},
+    ],
+    ids=["bits", "float", "both"],
+)
+def test_a_layer_override_change_reruns_no_trace_and_no_calibration(tmp_path, overrides):
+    cache = gb.Cache(tmp_path / "cache")
+    export(tmp_path / "out", cache, None)
+
+    art = export(tmp_path / "out", cache, overrides)
+
+    statuses = art.report.statuses
+    assert all(statuses[s] in ("hit", "cutoff") for s in TRACE_AND_CALIBRATION), statuses
+    assert "quantize" not in statuses
+    golden = export(tmp_path / "one", False, overrides, factory=oracle)
+    assert "quantize" in golden.report.statuses
+    assert files(art) == files(golden)
+    assert art.report.extra["numerics"] == golden.report.extra["numerics"]
+    assert art.report.extra["coverage"] == golden.report.extra["coverage"]
 
 
 def test_two_patterns_with_different_settings_for_one_tensor_are_an_error(tmp_path, cache):

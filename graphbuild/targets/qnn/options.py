@@ -220,10 +220,10 @@ PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16", "w4a16_lpbq")
 #: ``ctx.quantizer_placement`` of each preset: presets quantizing the same tensors share one
 #: placement, and switching between them recomputes values only. A preset whose rules came
 #: to quantize other tensors would get a placement of its own here (``place_quantizers``
-#: refuses a shared one that does not hold, naming the tensors). ``w4a16_lpbq`` is not split:
-#: its blocked weight quantizers are PT2E observers of another kind, so it quantizes in one
-#: ``quantize`` stage (a change to or from it re-runs quantization).
-PRESET_PLACEMENTS: dict[str, str] = dict.fromkeys(("w8a8", "w8a16", "w4a16"), "qnn-presets")
+#: refuses a shared one that does not hold, naming the tensors). ``w4a16_lpbq`` shares it:
+#: its LPBQ weights are the same quantizers with block scales, computed as values from the
+#: weights' block statistics.
+PRESET_PLACEMENTS: dict[str, str] = dict.fromkeys(PRESETS, "qnn-presets")
 
 #: What a config file's ``[options]`` table may set for the qnn target.
 CONFIG_SCHEMA: dict[str, OptionType] = {
