@@ -246,7 +246,9 @@ def test_the_preset_quantizes_in_the_split_as_the_one_stage_oracle_does(tmp_path
     assert art.report.extra["numerics"] == golden.report.extra["numerics"]
 
 
-def test_a_change_to_the_lpbq_preset_recomputes_values_only(tmp_path):
+def test_a_change_to_the_lpbq_preset_reads_the_weight_blocks_but_traces_and_calibrates_nothing(
+    tmp_path,
+):
     cache = gb.Cache(tmp_path / "cache")
     model = Mlp().eval()
     preset_export(tmp_path / "out", cache, model=model, quantizer="w4a16")
@@ -254,10 +256,16 @@ def test_a_change_to_the_lpbq_preset_recomputes_values_only(tmp_path):
     art = preset_export(tmp_path / "out", cache, model=model)
 
     statuses = art.report.statuses
-    for stage in ("capture", "place_quantizers", "weight_stats", "calibrate", "to_onnx"):
+    for stage in ("capture", "place_quantizers", "calibrate", "to_onnx"):
         assert statuses[stage] in ("hit", "cutoff"), (stage, statuses)
-    assert statuses["qparams"] == "ran"
+    assert statuses["weight_stats"] == statuses["qparams"] == "ran"  # + the blocks' ranges
     assert params(doc_of(art))["fc2.weight"]["enc_type"] == "LPBQ"
+
+    again = preset_export(tmp_path / "out", cache, model=model, layer_overrides={"fc1": "w8"})
+
+    for stage in ("capture", "place_quantizers", "weight_stats", "calibrate", "to_onnx"):
+        assert again.report.statuses[stage] in ("hit", "cutoff"), (stage, again.report.statuses)
+    assert params(doc_of(again))["fc1.weight"]["enc_type"] == "PER_CHANNEL"
 
 
 def test_encodings_0_6_1_cannot_say_lpbq(tmp_path, cache):

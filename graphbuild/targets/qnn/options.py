@@ -142,6 +142,8 @@ class QnnOnnxOptions:
         ctx["range"] = range_config(self.range_method, self.range_percentile, self.range_averaging)
         ctx["statistics"] = "histogram" if needs_histograms(ctx["range"]) else "minmax"
         ctx["quantizer_placement"] = _placement(self.quantizer)
+        # whether weight_stats records LPBQ block ranges: only an LPBQ preset pays for them
+        ctx["weight_blocks"] = _preset_name(self.quantizer) in LPBQ_PRESETS
         return ctx
 
 
@@ -173,10 +175,14 @@ def _check_llm_geometry(opts: QnnOnnxOptions) -> None:
             raise ConfigError(f"{key} must be a positive integer, not {value!r}")
 
 
+def _preset_name(quantizer: Any) -> Any:
+    return quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
+
+
 def _placement(quantizer: Any) -> Any:
     """What decides where quantizers sit: a built-in preset's placement (presets quantizing
     the same tensors share one), the quantizer itself otherwise."""
-    preset = quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
+    preset = _preset_name(quantizer)
     if preset in PRESET_PLACEMENTS:
         return PRESET_PLACEMENTS[preset]
     return quantizer
@@ -217,6 +223,8 @@ def _check_names(key: str, names: Sequence[str] | None) -> None:
 #: The quantizer presets ``presets/quantizer.py`` registers, named here so that reading a
 #: config needs no torchao import (tests/test_targets.py checks the two agree).
 PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16", "w4a16_lpbq")
+#: The presets whose linear weights are LPBQ.
+LPBQ_PRESETS: tuple[str, ...] = ("w4a16_lpbq",)
 #: ``ctx.quantizer_placement`` of each preset: presets quantizing the same tensors share one
 #: placement, and switching between them recomputes values only. A preset whose rules came
 #: to quantize other tensors would get a placement of its own here (``place_quantizers``

@@ -272,7 +272,9 @@ def wire_split_quantization(p: Pipeline, cap: StageRef) -> dict[str, StageRef]:
     bn.depends_on(cap, layout)
     folded = p.register_stage(fold_weights, "fold_weights", reads=("input.state",))
     folded.depends_on(bn, layout)
-    weights = p.register_stage(weight_stats, "weight_stats", reads=("input.state",))
+    weights = p.register_stage(
+        weight_stats, "weight_stats", reads=("input.state", "ctx.weight_blocks")
+    )
     weights.depends_on(layout, folded)
     acts = p.register_stage(
         calibrate,

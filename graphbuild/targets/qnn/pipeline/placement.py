@@ -146,15 +146,17 @@ def fold_weights(inputs: tuple, samples: Any, context: Any) -> dict:
 
 
 def weight_stats(inputs: tuple, samples: Any, context: Any) -> dict:
-    """Statistics of the quantizers that read stored tensors: from the tensors alone; for
-    the weights an LPBQ preset blocks, each block's range too (whatever the preset, so a
-    change to or from LPBQ recomputes values only)."""
+    """Statistics of the quantizers that read stored tensors: from the tensors alone; with
+    an LPBQ preset (``ctx.weight_blocks``), each block's range of the weights it may block
+    too (a layer override to ``w8`` then changes values only)."""
     from graphbuild.frontend.statistics import block_statistics, static_statistics
     from graphbuild.targets.qnn.presets.lpbq_weights import BLOCK_SIZE
 
     (layout, created), folded = inputs
     tensors = Overlay(folded, created, host_state(context.input))
     stats = static_statistics(layout["sites"], layout["groups"], tensors)
+    if not context["weight_blocks"]:
+        return stats
     lpbq = set(layout["lpbq"])
     blocked = {
         g["index"]

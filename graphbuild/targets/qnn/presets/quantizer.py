@@ -34,6 +34,7 @@ from torchao.quantization.pt2e.quantizer import (
 
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.frontend.quantize import register_preset, resolve_attr
+from graphbuild.targets.qnn.options import LPBQ_PRESETS
 from graphbuild.targets.qnn.presets.lpbq_weights import SCALE_BITS, lpbq_spec, takes_lpbq
 from graphbuild.targets.qnn.presets.observers import quantization_spec
 from graphbuild.targets.qnn.presets.overrides import (
@@ -75,7 +76,7 @@ _PRESET_BITS: dict[str, _Bits] = {
     "w4a16_lpbq": _Bits(weight=4, activation=16),
 }
 #: presets whose linear weights are LPBQ (block scale bits)
-_LPBQ_PRESETS: dict[str, int] = {"w4a16_lpbq": SCALE_BITS}
+_LPBQ_PRESETS: dict[str, int] = dict.fromkeys(LPBQ_PRESETS, SCALE_BITS)
 
 PRESETS: tuple[str, ...] = tuple(_PRESET_BITS)
 
