@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 import graphbuild as gb
 from examples import tiny_decoder
@@ -157,3 +159,69 @@ def test_presets_and_combined_settings_parse():
     assert (parsed["b"].weight_bits, parsed["b"].activation_bits) == (None, 8)
     assert parsed["c"].float
     assert parsed["d"].weight_bits == 8
+
+
+class Branch(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.conv, self.scale = nn.Conv2d(3, 4, 3, padding=1), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) * self.scale
+
+
+class TwoBranches(nn.Module):
+    """Two branches concatenated: their outputs share the Concat output's encoding (as HTP
+    requires), the first branch's range a quarter of the second's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Branch(0.25), Branch(1.0)
+        self.head = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.a(x), self.b(x)], dim=1))
+
+
+def concat_export(out, overrides, factory=None):
+    torch.manual_seed(0)
+    model = TwoBranches().eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(1, 3, 8, 8, generator=g),) for _ in range(2)]
+    options = gb.QnnOnnxOptions(quantizer="w8a16", calibration=batches, layer_overrides=overrides)
+    return gb.export(
+        model, batches[0], out, "m", options=options, cache=False, pipeline_factory=factory
+    )
+
+
+def concat_encodings(art) -> dict[str, tuple]:
+    doc = json.loads(art.files["encodings"].read_text())
+    return {e["name"]: (e["scale"], e["offset"]) for e in doc["activation_encodings"]}
+
+
+def test_a_float_override_of_one_tensor_of_a_shared_encoding_keeps_the_others(tmp_path):
+    """The second branch float: the first branch and the Concat keep their shared encoding,
+    calibrated as PT2E's shared observer sees it with the branch float (the Concat holds
+    every value, so the range stays)."""
+    base = concat_encodings(concat_export(tmp_path / "base", None))
+    assert base["mul"] == base["mul_1"] == base["cat"]  # one encoding for the three
+
+    split = concat_export(tmp_path / "split", {"b": "float"})
+    golden = concat_export(tmp_path / "one", {"b": "float"}, oracle)
+
+    assert "quantize" in golden.report.statuses and "quantize" not in split.report.statuses
+    assert files(split) == files(golden)
+    acts = concat_encodings(split)
+    assert "mul_1" not in acts and acts["mul"] == acts["cat"] == base["cat"]
+
+
+def test_a_float_override_of_the_tensor_others_share_an_encoding_with_floats_them_all(
+    tmp_path,
+):
+    """The first branch's output is the tensor the rules give the shared encoding to: float,
+    it takes the Concat and the other branch with it, as PT2E's annotation does."""
+    split = concat_export(tmp_path / "split", {"a": "float"})
+    golden = concat_export(tmp_path / "one", {"a": "float"}, oracle)
+
+    assert files(split) == files(golden)
+    assert not {"mul", "mul_1", "cat"} & set(concat_encodings(split))
