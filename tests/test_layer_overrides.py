@@ -225,3 +225,22 @@ def test_a_float_override_of_the_tensor_others_share_an_encoding_with_floats_the
 
     assert files(split) == files(golden)
     assert not {"mul", "mul_1", "cat"} & set(concat_encodings(split))
+
+
+def test_a_preset_quantizer_made_with_overrides_quantizes_in_the_split(tmp_path):
+    """``QnnQuantizer("w8a16", {...})`` is the preset with those overrides: the split, as the
+    option gives them, and the coverage report expects them."""
+    from graphbuild.targets.qnn.presets.quantizer import QnnQuantizer
+
+    model, samples = tiny_decoder.build()
+    options = gb.QnnOnnxOptions(
+        quantizer=QnnQuantizer("w8a16", {"lm_head": "float"}),
+        calibration=tiny_decoder.calibration(),
+    )
+    art = gb.export(model, samples, tmp_path / "own", "decoder", options=options, cache=False)
+    given = export(tmp_path / "option", False, {"lm_head": "float"})
+
+    assert "place_quantizers" in art.report.statuses
+    assert art.files["encodings"].read_bytes() == given.files["encodings"].read_bytes()
+    overridden = {e["tensor"] for e in art.report.extra["coverage"]["overridden"]}
+    assert overridden == {"lm_head.weight", "output"}

@@ -135,7 +135,7 @@ class QnnOnnxOptions:
         for key in ("input_names", "output_names", "htp_arch", "soc_model"):
             if ctx[key] is not None and not isinstance(ctx[key], (str, int)):
                 ctx[key] = list(ctx[key])
-        overrides = self.layer_overrides
+        overrides = self.layer_overrides or _own_overrides(self.quantizer)
         ctx["layer_overrides"] = dict(sorted(overrides.items())) if overrides else None
         # derived keys: what a stage reads, no more (a preset change keeps the placement;
         # a percentile change keeps the statistics)
@@ -173,6 +173,16 @@ def _check_llm_geometry(opts: QnnOnnxOptions) -> None:
             not isinstance(value, int) or isinstance(value, bool) or value < 1
         ):
             raise ConfigError(f"{key} must be a positive integer, not {value!r}")
+
+
+def _own_overrides(quantizer: Any) -> dict[str, str] | None:
+    """The ``layer_overrides`` a ``QnnQuantizer`` instance was made with, as the option writes
+    them: the preset's split reads them from the context (the option's, when set, win, as
+    they replace the instance's in PT2E)."""
+    own = getattr(quantizer, "layer_overrides", None)
+    if not own or _preset_name(quantizer) not in PRESETS:
+        return None
+    return {pattern: getattr(setting, "text", setting) for pattern, setting in own.items()}
 
 
 def _preset_name(quantizer: Any) -> Any:

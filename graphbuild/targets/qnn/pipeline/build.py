@@ -196,8 +196,8 @@ COVERAGE_READS = ("ctx.quantizer", "ctx.strict_coverage", "ctx.layer_overrides")
 
 def _splits(quantizer: Any) -> bool:
     """Whether ``quantizer`` is one of graphbuild's own presets (by name, unless a user
-    registered another under it, or as a ``QnnQuantizer`` without overrides of its own: the
-    split reads ``ctx.layer_overrides``): those quantize in three parts."""
+    registered another under it, or as a ``QnnQuantizer``, whose own ``layer_overrides`` the
+    context carries): those quantize in three parts."""
     from graphbuild.frontend.presets import preset_entries
 
     if isinstance(quantizer, str):
@@ -207,7 +207,6 @@ def _splits(quantizer: Any) -> bool:
         preset is not None
         and type(quantizer) is preset.QnnQuantizer
         and quantizer.preset in PRESET_PLACEMENTS
-        and not quantizer.layer_overrides  # a QnnQuantizer's own: ctx.layer_overrides is read
     )
 
 
