@@ -42,6 +42,7 @@ class SiteRules:
         self.tensors: Mapping[str, Mapping[str, Any]] = layout["tensors"]
         self.lpbq = frozenset(layout["lpbq"])
         settings = parse_layer_overrides(overrides)
+        self._rules: dict[tuple[int, str], dict[str, Any]] = {}
         self.matches: dict[str, tuple[str, LayerSetting]] = {}
         if settings:  # every tensor the rules quantize, as PT2E's annotation checks them
             for tensor, about in self.tensors.items():
@@ -69,6 +70,12 @@ class SiteRules:
     def rule(self, group: int, preset: str) -> dict[str, Any]:
         """The rule of ``group`` under ``preset`` with the overrides applied, and ``lpbq``:
         whether the group is an LPBQ weight."""
+        key = (group, preset)
+        if key not in self._rules:
+            self._rules[key] = self._rule(group, preset)
+        return self._rules[key]
+
+    def _rule(self, group: int, preset: str) -> dict[str, Any]:
         from graphbuild.targets.qnn.presets.quantizer import lpbq_block_scale_bits, preset_bits
 
         settings = self.layout["groups"][group]["settings"]
