@@ -116,6 +116,8 @@ def place_quantizers(inputs: tuple, samples: Any, context: Any) -> tuple:
     )
     program = roundtrip(ProgramArtifact(strip_state(placement.program)))
     layout = {**placement.layout(), "presets": list(presets), **placed_tensors(quantizer)}
+    for site in layout["sites"]:  # the rules are its group's: a site keeps its tensor alone
+        site["settings"] = {"tensor": site["settings"]["tensor"]}
     return program, layout, placement.created
 
 
