@@ -48,13 +48,15 @@ class Site:
     ``group`` is the observer it had (observers shared by several tensors, a Concat's inputs
     and output, share their statistics); ``source`` is the observed node's name in the
     prepared graph (the name calibration reports use); ``input`` one of :data:`SITE_INPUTS`,
-    ``tensor`` the state or constant name for the first two."""
+    ``tensor`` the state or constant name for the first two; ``settings`` what the target
+    said about this site's own observer call (the QNN presets: which tensor it quantizes)."""
 
     index: int
     group: int
     source: str
     input: str
     tensor: str | None = None
+    settings: Any = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -63,6 +65,7 @@ class Site:
             "source": self.source,
             "input": self.input,
             "tensor": self.tensor,
+            "settings": self.settings,
         }
 
 
@@ -189,15 +192,16 @@ def fold_weights(
 
 def _replace_observers(
     prepared: GraphModule, settings: Mapping[str, Any]
-) -> tuple[list[Group], dict[int, tuple[int, str]]]:
+) -> tuple[list[Group], dict[int, tuple[int, str, Any]]]:
     """Every observer call becomes a marker numbered in graph order; returns the groups (one
-    per observer module) and, per site, (group, observed node name)."""
+    per observer module) and, per site, (group, observed node name, the target's settings of
+    its observer call)."""
     from torchao.quantization.pt2e.observer import ObserverBase
 
     modules = dict(prepared.named_modules(remove_duplicate=False))
     group_of: dict[int, int] = {}  # by observer object: a shared one has several names
     groups: list[Group] = []
-    observed: dict[int, tuple[int, str]] = {}
+    observed: dict[int, tuple[int, str, Any]] = {}
     for node in list(prepared.graph.nodes):
         if node.op != "call_module" or not isinstance(modules.get(node.target), ObserverBase):
             continue
@@ -214,7 +218,7 @@ def _replace_observers(
             marker = prepared.graph.call_function(MARKER_TARGET, (source, site))
         node.replace_all_uses_with(marker)
         prepared.graph.erase_node(node)
-        observed[site] = (group_of[id(observer)], source.name)
+        observed[site] = (group_of[id(observer)], source.name, settings.get(name))
     return groups, observed
 
 
@@ -243,7 +247,7 @@ def _group(index: int, observer: Any, settings: Any) -> Group:
     return Group(index, int(axis) if per_channel else None, eps_value, settings)
 
 
-def _sites(program: ExportedProgram, observed: Mapping[int, tuple[int, str]]) -> list[Site]:
+def _sites(program: ExportedProgram, observed: Mapping[int, tuple[int, str, Any]]) -> list[Site]:
     """The sites as the traced program has them: what each marker reads."""
     specs = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
     sites: dict[int, Site] = {}
@@ -254,16 +258,16 @@ def _sites(program: ExportedProgram, observed: Mapping[int, tuple[int, str]]) ->
         x = node.args[0]
         if index not in observed or index in sites or not isinstance(x, torch.fx.Node):
             raise ExportError(f"the traced placement has an unexpected marker '{node.name}'")
-        group, source = observed[index]
+        group, source, about = observed[index]
         spec = specs.get(x.name) if x.op == "placeholder" else None
         if spec is None:
-            sites[index] = Site(index, group, source, "activation")
+            sites[index] = Site(index, group, source, "activation", settings=about)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            sites[index] = Site(index, group, source, "state", spec.target)
+            sites[index] = Site(index, group, source, "state", spec.target, about)
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            sites[index] = Site(index, group, source, "constant", spec.target)
+            sites[index] = Site(index, group, source, "constant", spec.target, about)
         else:
-            sites[index] = Site(index, group, source, "input")
+            sites[index] = Site(index, group, source, "input", settings=about)
     if sorted(sites) != list(range(len(observed))):
         missing = sorted(set(range(len(observed))) - set(sites))
         raise ExportError(f"tracing the placement lost quantizer site(s) {missing}")
