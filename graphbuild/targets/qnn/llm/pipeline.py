@@ -37,6 +37,12 @@ from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
 from graphbuild.targets.qnn.llm.include import include_part
 from graphbuild.targets.qnn.llm.parts import FLOAT
 from graphbuild.targets.qnn.llm.plan import KINDS, LlmPlan, make_plan
+from graphbuild.targets.qnn.llm.tokenizer import (
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+    model_tokenizer,
+    tokenizer_files,
+)
 from graphbuild.targets.qnn.options import QnnOnnxOptions
 
 
@@ -139,6 +145,13 @@ def build_llm_pipeline(request: Request) -> Pipeline:
         files |= htp_bundle.bundle_files(
             layout, request.model_name, targets, genai=rope is not None
         )
+    if model_tokenizer(model) is not None:  # into every bundle folder
+        folders = (CPU, *(f for t in targets for f in htp_bundle.folders(t, targets)))
+        tok = p.register_stage(
+            functools.partial(tokenizer_files, folders), "tokenizer", reads=("input.structure",)
+        )
+        products.append(tok.name)
+        files |= {f"{f}/{name}" for f in folders for name in (TOKENIZER, TOKENIZER_CONFIG)}
     p.products = products
     p.output_files = frozenset(files)
     return p
