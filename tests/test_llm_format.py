@@ -85,7 +85,7 @@ def test_the_graphs_with_an_8_bit_kv_cache_generate_what_the_parts_do_on_its_gri
     output: the graphs generate the torch parts' tokens with the cache on those grids."""
     model = causal_lm("qwen3")
     out = tmp_path / "out"
-    _export(model, out, tmp_path / "cache")
+    _export(model, out, tmp_path / "cache", kv_bits=8)
     runner, encodings = _onnx_runner(model, out / "cpu")
     assert sorted(encodings) == sorted(
         f"past_{kind}_{layer}" for layer in range(3) for kind in ("key", "value")
@@ -97,8 +97,9 @@ def test_the_graphs_with_an_8_bit_kv_cache_generate_what_the_parts_do_on_its_gri
 
 
 def test_the_export_places_a_prompt_and_a_token_graph_per_part(tmp_path: Path) -> None:
+    """With an integer KV cache (kv_bits, or a preset): the graphs the HTP runs."""
     out = tmp_path / "out"
-    _export(causal_lm("llama"), out, tmp_path / "cache")
+    _export(causal_lm("llama"), out, tmp_path / "cache", kv_bits=8)
     graphs = sorted(p.name for p in (out / "cpu").glob("*_of_3.onnx"))
     assert graphs == [
         f"{kind}_ar{n}_cl64_{i}_of_3.onnx"
@@ -145,8 +146,8 @@ def test_a_preset_change_recomputes_values_and_traces_nothing(tmp_path: Path) ->
 
 def test_a_new_prompt_length_retraces_the_prompt_graphs_only(tmp_path: Path) -> None:
     model = causal_lm("llama", layers=2)
-    _export(model, tmp_path / "out", tmp_path / "cache")
-    ran = _ran(_export(model, tmp_path / "out", tmp_path / "cache", prompt_len=8))
+    _export(model, tmp_path / "out", tmp_path / "cache", kv_bits=8)
+    ran = _ran(_export(model, tmp_path / "out", tmp_path / "cache", kv_bits=8, prompt_len=8))
     captured = {s for s in ran if s.endswith(".capture")}
     assert captured == {"p1.prompt.capture", "p2.prompt.capture", "p3.prompt.capture"}
 
@@ -214,8 +215,10 @@ def test_calibration_batches_must_be_token_ids(tmp_path: Path) -> None:
 
 
 def test_the_cpu_bundle_is_a_folder_of_graphs_processor_and_genai_config(tmp_path: Path) -> None:
+    """With an 8-bit KV cache: genai's windowed cache over the prompt and token graphs (the
+    float bundle is tests/test_llm_float.py's)."""
     out = tmp_path / "out"
-    _export(causal_lm("llama", layers=2), out, tmp_path / "cache")
+    _export(causal_lm("llama", layers=2), out, tmp_path / "cache", kv_bits=8)
     names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     graphs = [
         f"cpu/{kind}_ar{n}_cl64_{i}_of_3.onnx"
@@ -237,8 +240,8 @@ def test_a_re_export_with_other_parts_leaves_no_graph_of_the_old_split(tmp_path:
     left for genai to load by mistake."""
     model = causal_lm("llama", layers=2)
     out = tmp_path / "out"
-    _export(model, out, tmp_path / "cache")
-    _export(model, out, tmp_path / "cache", parts=2)
+    _export(model, out, tmp_path / "cache", kv_bits=8)
+    _export(model, out, tmp_path / "cache", kv_bits=8, parts=2)
     assert sorted(p.name for p in (out / "cpu").glob("*_of_*.onnx")) == [
         "prompt_ar4_cl64_1_of_2.onnx",
         "prompt_ar4_cl64_2_of_2.onnx",
@@ -250,7 +253,7 @@ def test_a_re_export_with_other_parts_leaves_no_graph_of_the_old_split(tmp_path:
 def test_the_tutorial_bundle_generates_transformers_32_tokens(tmp_path: Path) -> None:
     """examples/llm.toml's model, exported as the README does: onnxruntime-genai (graphbuild's
     onnxruntime runner where genai is not installed, named in the report) generates
-    transformers' own greedy tokens from the CPU bundle, its 8-bit KV cache included."""
+    transformers' own greedy tokens from the CPU bundle (no preset: the float one)."""
     tiny_qwen = _example("tiny_qwen")
     model, data = tiny_qwen.build()
     artifacts = gb.export(

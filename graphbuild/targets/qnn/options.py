@@ -94,7 +94,7 @@ class QnnOnnxOptions:
     context_len: int = 4096
     parts: int | None = None
     max_part_bytes: int | None = None
-    kv_bits: int = 8
+    kv_bits: int | None = None
     calibration_steps: int = 8
     contexts: bool = False
 
@@ -165,7 +165,7 @@ def _check_llm_geometry(opts: QnnOnnxOptions) -> None:
             f"({opts.prompt_len}): onnxruntime-genai's sliding-window KV cache needs a full "
             "window of past slots"
         )
-    if opts.kv_bits not in KV_BITS:
+    if opts.kv_bits is not None and opts.kv_bits not in KV_BITS:
         raise ConfigError(f"kv_bits must be 8 or 16, not {opts.kv_bits!r}")
     for key in ("parts", "max_part_bytes"):
         value = getattr(opts, key)

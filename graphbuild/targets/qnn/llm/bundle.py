@@ -5,6 +5,12 @@ mask and positions in, the graphs' float mask and rotary tables out) and ``genai
 a ``decoder-pipeline`` whose entries run in order, each part's prompt graph on the prompt
 windows and its token graph on generated tokens, with genai's windowed KV cache holding each
 layer's integer keys and values (:mod:`.genai_config`).
+
+The float bundle (no preset, no ``kv_bits``) is other graphs in the same folder: one per part
+(``float_<i>_of_<n>.onnx``), run on the prompt and on every token, any number of tokens after
+any past, with genai's default KV cache, float end to end (the windowed cache holds uint8
+only: onnxruntime-genai refuses any other type for it), and a position processor for a mask as
+long as the tokens so far.
 """
 
 from __future__ import annotations
@@ -21,9 +27,12 @@ from graphbuild.targets.qnn.llm.genai_config import (
     position_processor_entry,
 )
 from graphbuild.targets.qnn.llm.genai_pipeline import LlmFacts, PipelineEntry, Session
-from graphbuild.targets.qnn.llm.parts import MASK_MIN
+from graphbuild.targets.qnn.llm.parts import FLOAT, MASK_MIN
 from graphbuild.targets.qnn.llm.plan import KINDS, LlmPlan
-from graphbuild.targets.qnn.llm.position_processor import build_position_processor
+from graphbuild.targets.qnn.llm.position_processor import (
+    build_float_position_processor,
+    build_position_processor,
+)
 
 #: The folder of the CPU bundle in the output directory.
 CPU = "cpu"
@@ -65,11 +74,14 @@ def genai_facts(plan: LlmPlan) -> LlmFacts:
     )
 
 
-def pipeline_entries(plan: LlmPlan, session: Session) -> list[PipelineEntry]:
-    """The position processor, then each part's prompt and token graphs, in run order."""
+def pipeline_entries(
+    plan: LlmPlan, session: Session, kinds: tuple[str, ...] = KINDS
+) -> list[PipelineEntry]:
+    """The position processor, then each part's prompt and token graphs (or its float graph,
+    run on both), in run order."""
     entries = [position_processor_entry(PROCESSOR)]
     for spec in plan.specs:
-        for kind in KINDS:
+        for kind in kinds:
             name = plan.graph_name(spec.index, kind)
             entries.append(
                 PipelineEntry(
@@ -77,8 +89,8 @@ def pipeline_entries(plan: LlmPlan, session: Session) -> list[PipelineEntry]:
                     f"{name}.onnx",
                     tuple(spec.input_names()),
                     tuple(spec.output_names()),
-                    run_on_prompt=kind == "prompt",
-                    run_on_token_gen=kind == "token",
+                    run_on_prompt=kind != "token",
+                    run_on_token_gen=kind != "prompt",
                     session=session,
                 )
             )
@@ -90,7 +102,7 @@ def cpu_bundle(inputs: tuple, samples: Any, context: Any) -> dict[str, FileArtif
     are the ``p<i>.<kind>.graph`` products."""
     plan_json, rotary_json = inputs
     return genai_bundle_files(
-        CPU, LlmPlan.from_json(plan_json), rotary_json, Session.cpu(), context["kv_bits"]
+        CPU, LlmPlan.from_json(plan_json), rotary_json, Session.cpu(), context["kv_bits"] or 8
     )
 
 
@@ -117,5 +129,25 @@ def genai_bundle_files(
         f"{folder}/{CONFIG_NAME}": FileArtifact(f"{folder}/{CONFIG_NAME}", text.encode()),
         f"{folder}/{PROCESSOR}": FileArtifact(
             f"{folder}/{PROCESSOR}", processor.SerializeToString(deterministic=True)
+        ),
+    }
+
+
+def float_bundle(inputs: tuple, samples: Any, context: Any) -> dict[str, FileArtifact]:
+    """The float bundle's ``cpu/genai_config.json`` (no sliding window: genai's default float
+    KV cache) and ``cpu/position-processor.onnx``; the ``p<i>.float.graph`` products are its
+    graphs."""
+    plan_json, rotary_json = inputs
+    plan = LlmPlan.from_json(plan_json)
+    processor = build_float_position_processor(
+        rotary_json["inv_freq"], attention_scaling=rotary_json["scaling"], mask_value=MASK_MIN
+    )
+    entries = pipeline_entries(plan, Session.cpu(), (FLOAT,))
+    config = genai_config(genai_facts(plan), entries, windowed=False)
+    text = json.dumps(config, indent=2, sort_keys=False) + "\n"  # entry order is run order
+    return {
+        f"{CPU}/{CONFIG_NAME}": FileArtifact(f"{CPU}/{CONFIG_NAME}", text.encode()),
+        f"{CPU}/{PROCESSOR}": FileArtifact(
+            f"{CPU}/{PROCESSOR}", processor.SerializeToString(deterministic=True)
         ),
     }

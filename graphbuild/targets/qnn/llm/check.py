@@ -11,6 +11,7 @@ bundle's logits against the model's at each step up to there.
 from __future__ import annotations
 
 import importlib.util
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from graphbuild.frontend.reference import sqnr_db
 from graphbuild.onnx.save import write_model
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.bundle import CPU
+from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
 from graphbuild.targets.qnn.llm.plan import LlmPlan
 from graphbuild.targets.qnn.llm.stages import token_ids
 
@@ -112,9 +114,14 @@ def check_generation(inputs: tuple, samples: Any, context: Any) -> dict[str, Any
             tokens, logits = result.tokens, list(result.logits)
             runtime = f"onnxruntime-genai {result.genai_version}"
         else:
-            tokens, logits = _onnxruntime_generation(
-                bundle, plan, find_causal_lm(model), prompt, steps
-            )
+            if _is_float(files):
+                from graphbuild.targets.qnn.llm.float_runner import float_generation
+
+                tokens, logits = float_generation(bundle, prompt, steps)
+            else:
+                tokens, logits = _onnxruntime_generation(
+                    bundle, plan, find_causal_lm(model), prompt, steps
+                )
             runtime = (
                 "onnxruntime (graphbuild's runner; pip install onnxruntime-genai to run genai)"
             )
@@ -125,6 +132,12 @@ def check_generation(inputs: tuple, samples: Any, context: Any) -> dict[str, Any
     }
     report["summary"] = _summary(report)
     return report
+
+
+def _is_float(files: dict[str, FileArtifact]) -> bool:
+    """Whether the bundle is the float one: genai keeps its default cache (no window)."""
+    config = json.loads(files[f"{CPU}/{CONFIG_NAME}"].data)
+    return "sliding_window" not in config["model"]["decoder"]
 
 
 def _onnxruntime_generation(

@@ -168,8 +168,13 @@ def genai_config(
     kv_pad_value: int = DEFAULT_KV_PAD_VALUE,
     max_length: int | None = None,
     default_session: Session | None = None,
+    windowed: bool = True,
 ) -> dict[str, Any]:
     """The ``genai_config.json`` content (a dict) for ``pipeline`` run in order.
+
+    ``windowed=False`` leaves ``sliding_window`` out: genai then keeps its default KV cache
+    (float, past ``[1, H, P, D]`` in, present ``[1, H, P+S, D]`` out, the whole prompt in one
+    run), which the float bundle's graphs take.
 
     ``max_length`` (default ``context_len``) bounds prompt plus generated tokens, the prompt
     counted padded to whole windows; ``default_session`` serves entries without their own
@@ -184,6 +189,15 @@ def genai_config(
             f"max_length ({max_length}) must be in ({facts.prompt_len}, {facts.context_len}]"
         )
     eos = facts.eos_tokens
+    window = {
+        "sliding_window": {
+            "window_size": facts.prompt_len,
+            "pad_value": kv_pad_value,
+            "alignment": "right",
+            "slide_key_value_cache": True,
+            "slide_inputs": True,
+        }
+    }
     return {
         "model": {
             "type": "decoder-pipeline",
@@ -211,13 +225,7 @@ def genai_config(
                     "present_key_names": names.present_key,
                     "present_value_names": names.present_value,
                 },
-                "sliding_window": {
-                    "window_size": facts.prompt_len,
-                    "pad_value": kv_pad_value,
-                    "alignment": "right",
-                    "slide_key_value_cache": True,
-                    "slide_inputs": True,
-                },
+                **(window if windowed else {}),
                 "pipeline": [{entry.name: entry.to_json() for entry in pipeline}],
             },
         },

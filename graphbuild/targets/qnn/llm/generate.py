@@ -133,7 +133,8 @@ def _check_prompt(config: dict[str, Any], prompt: Sequence[int], max_new_tokens:
         )
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    window = model["decoder"]["sliding_window"]["window_size"]
+    # the float bundle has no window: genai runs the prompt whole
+    window = model["decoder"].get("sliding_window", {}).get("window_size", 1)
     padded = -(-len(prompt) // window) * window
     limit = config["search"]["max_length"]
     if padded + max_new_tokens > limit:

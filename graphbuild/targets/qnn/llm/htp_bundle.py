@@ -146,7 +146,7 @@ def htp_bundle(
         folder = folders(t, all_targets)[0]
         backend = Path(ep_options_for(t)["backend_path"]).name
         session = Session.qnn_htp(t, backend_path=backend)
-        files |= genai_bundle_files(folder, plan, rotary_json, session, context["kv_bits"])
+        files |= genai_bundle_files(folder, plan, rotary_json, session, context["kv_bits"] or 8)
     return files
 
 

@@ -16,7 +16,7 @@ declare so the keys stay exact:
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline, StageRef
@@ -44,6 +44,7 @@ class PartContext(Mapping[str, Any]):
         }
         self._plan = plan
         self._index = index
+        self._kind = kind
         self.stage = getattr(outer, "stage", "?")
 
     def __getitem__(self, key: str) -> Any:
@@ -66,7 +67,7 @@ class PartContext(Mapping[str, Any]):
 
     @property
     def input(self) -> Any:
-        return self._plan.part_module(find_causal_lm(self._outer.input), self._index)
+        return self._plan.part_module(find_causal_lm(self._outer.input), self._index, self._kind)
 
 
 def run_in_part(
@@ -97,9 +98,13 @@ def include_part(
     kind: str,
     plan: StageRef,
     state: StageRef,
-    batches: StageRef,
+    batches: StageRef | None,
+    replace: Mapping[str, Callable[..., Any]] | None = None,
 ) -> dict[str, str]:
-    """Copy ``sub``'s stages into ``p`` as ``p<index>.<kind>.<name>``; returns old -> new names."""
+    """Copy ``sub``'s stages into ``p`` as ``p<index>.<kind>.<name>``; returns old -> new names.
+    ``replace`` runs another function for a stage, under its declared reads (the float graphs'
+    ``capture``); ``batches`` is None where no stage calibrates (a float graph)."""
+    replace = replace or {}
     prefix = f"p{index}.{kind}."
     names = {name: prefix + name for name in sub.order()}
     for name in sub.order():
@@ -114,12 +119,15 @@ def include_part(
             new_reads.add("input.structure")
         calibrates = "ctx.calibration" in reads or "samples.values" in reads
         if calibrates:
+            if batches is None:
+                raise ValueError(f"stage {name} of p{index}.{kind} calibrates: it needs batches")
             extra.insert(0, batches)
         extra.append(plan)
         if UNKEYED_INPUT in reads:
             new_reads.add(UNKEYED_INPUT)
         root = not sub.dependencies(name)
-        fn = functools.partial(run_in_part, stage.fn, index, kind, len(extra), root, calibrates)
+        own = replace.get(name, stage.fn)
+        fn = functools.partial(run_in_part, own, index, kind, len(extra), root, calibrates)
         ref = p.register_stage(
             fn,
             names[name],

@@ -13,6 +13,11 @@ graph, 1 for the token graph) in a context of ``CL`` positions:
 Key slots 0..CL-N-1 of the mask are the past, CL-N..CL-1 the N new tokens. The rotary tables
 are inputs, so no float position arithmetic is in a graph; keys are cached transposed, as
 onnxruntime-genai's windowed cache and Genie lay them out.
+
+The float bundle's parts (``float_cache=True``) take onnxruntime-genai's default cache instead:
+``S`` new tokens after ``P`` past ones, both dynamic, the mask [1, 1, S, P+S], per layer the past
+keys and values [1, H, P, D] -> the presents [1, H, P+S, D] (the past with the new entries
+appended), all float.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from graphbuild.targets.qnn.llm.adapters import CausalLm
 #: The additive mask's value for a slot a query does not attend: far enough below the scores
 #: that it weighs nothing after the softmax, near enough that a quantized mask keeps its steps.
 MASK_MIN = -50.0
+#: The graph kind of the float bundle: one graph per part, any number of tokens after any past.
+FLOAT = "float"
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,10 @@ class PartSpec:
         return range(self.first, self.stop)
 
     def graph_name(self, kind: str, seq_len: int, context_len: int) -> str:
-        """``prompt_ar128_cl4096_2_of_3``: the QNN graph name runtimes look parts up by."""
+        """``prompt_ar128_cl4096_2_of_3``: the QNN graph name runtimes look parts up by;
+        ``float_2_of_3`` for the float bundle's graph (any length)."""
+        if kind == FLOAT:
+            return f"{kind}_{self.index}_of_{self.count}"
         return f"{kind}_ar{seq_len}_cl{context_len}_{self.index}_of_{self.count}"
 
     def input_names(self) -> list[str]:
@@ -99,8 +109,9 @@ class DecoderPart(nn.Module):
     """Consecutive decoder layers of the causal LM (its own modules), and for the last part
     the final norm and the LM head."""
 
-    def __init__(self, lm: CausalLm, spec: PartSpec) -> None:
+    def __init__(self, lm: CausalLm, spec: PartSpec, float_cache: bool = False) -> None:
         super().__init__()
+        self.float_cache = float_cache
         self.layers = nn.ModuleList(lm.layers[i] for i in spec.layers)
         self.head = spec.head
         if spec.head:
@@ -153,8 +164,17 @@ class DecoderPart(nn.Module):
         q = rotate(q.transpose(1, 2), cos, sin)  # [1, heads, N, D]
         k = rotate(k.transpose(1, 2), cos, sin)  # [1, kv_heads, N, D]
         v = v.view(1, n, kv_heads, d).transpose(1, 2)
-        keys = torch.cat((past_key.permute(1, 0, 2, 3), k.transpose(2, 3)), dim=-1)
-        values = torch.cat((past_value.permute(1, 0, 2, 3), v), dim=2)
+        if self.float_cache:  # [1, kv_heads, P, D] in, the past and the new entries out
+            present_key = torch.cat((past_key, k), dim=2)
+            values = torch.cat((past_value, v), dim=2)
+            keys = present_key.transpose(2, 3)
+            # the mask's last P+S keys: genai's mask is exactly as long, and the cut keeps its
+            # length a dimension of its own in the trace (a derived P+S does not survive
+            # torch.export's save and load)
+            mask = mask[..., mask.shape[-1] - keys.shape[-1] :]
+        else:
+            keys = torch.cat((past_key.permute(1, 0, 2, 3), k.transpose(2, 3)), dim=-1)
+            values = torch.cat((past_value.permute(1, 0, 2, 3), v), dim=2)
         # query heads g*j .. g*j+g-1 read key/value head j
         group = heads // kv_heads
         scores = torch.matmul(q.reshape(1, kv_heads, group * n, d), keys)
@@ -163,12 +183,15 @@ class DecoderPart(nn.Module):
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs.view(1, kv_heads, group * n, -1), values)
         out = out.view(1, heads, n, d).transpose(1, 2).reshape(1, n, heads * d)
+        if self.float_cache:
+            return attn.o_proj(out), present_key, values
         return attn.o_proj(out), k.permute(1, 0, 3, 2), v.permute(1, 0, 2, 3)
 
 
-def part_module(lm: CausalLm, spec: PartSpec) -> nn.Module:
-    """The module of one part, in evaluation mode."""
-    module = EmbedPart(lm) if spec.embed else DecoderPart(lm, spec)
+def part_module(lm: CausalLm, spec: PartSpec, float_cache: bool = False) -> nn.Module:
+    """The module of one part, in evaluation mode (``float_cache``: the float bundle's, with
+    onnxruntime-genai's default cache layout)."""
+    module = EmbedPart(lm) if spec.embed else DecoderPart(lm, spec, float_cache)
     return module.eval()
 
 

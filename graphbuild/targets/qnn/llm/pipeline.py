@@ -35,7 +35,14 @@ from graphbuild.targets.qnn.llm.bundle import CPU
 from graphbuild.targets.qnn.llm.check import check_generation, check_generation_htp
 from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
 from graphbuild.targets.qnn.llm.include import include_part
-from graphbuild.targets.qnn.llm.plan import KINDS, make_plan
+from graphbuild.targets.qnn.llm.parts import FLOAT
+from graphbuild.targets.qnn.llm.plan import KINDS, LlmPlan, make_plan
+from graphbuild.targets.qnn.llm.tokenizer import (
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+    model_tokenizer,
+    tokenizer_files,
+)
 from graphbuild.targets.qnn.options import QnnOnnxOptions
 
 
@@ -43,7 +50,6 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     """The pipeline of an ``llm`` export. The part count decides which stages exist, so the
     plan is made here, from the request's model (which also refuses a model or options the
     format cannot take before any stage runs); ``llm_plan`` makes it again as a keyed stage."""
-    from graphbuild.targets.qnn.pipeline.build import build_qnn_pipeline
 
     opts = coerce_options(QnnOnnxOptions, request.options, request.target)
     model = getattr(request, "model", None)
@@ -68,6 +74,10 @@ def build_llm_pipeline(request: Request) -> Pipeline:
         quantizer=opts.quantizer,
     )
     specs = layout.specs
+    # no preset and no kv_bits: the CPU bundle is float, KV and all (genai's default cache);
+    # the static graphs (integer KV) are built for a preset, kv_bits, the HTP and its check
+    float_cpu = opts.quantizer is None and opts.kv_bits is None
+    static = not float_cpu or bool(targets) or opts.check_htp
     p = Pipeline(name=f"{request.target}/llm")
     plan = p.register_stage(
         stages.llm_plan,
@@ -82,6 +92,84 @@ def build_llm_pipeline(request: Request) -> Pipeline:
             "registry.llm_adapters",
         ),
     )
+    sub_opts = replace(
+        opts, check_numerics=False, check_htp=False, input_names=None, output_names=None
+    )
+    sub_request = _SubRequest(request.target, "onnx_qdq", request.model_name, sub_opts)
+    states = [
+        p.register_stage(
+            functools.partial(stages.part_state, index), f"p{index}.state", reads=("input.state",)
+        ).depends_on(plan)
+        for index in range(1, len(specs) + 1)
+    ]
+    graphs_of: dict[int, list[StageRef]] = {}
+    static_graphs, coverages, graph_names = [], [], []
+    if static:
+        static_graphs, coverages, graph_names = _add_static_graphs(
+            p, sub_request, layout, plan, states, graphs_of
+        )
+    products = [] if float_cpu else [g.name for g in static_graphs]
+    files = set() if float_cpu else {f"{CPU}/{name}.onnx" for name in graph_names}
+    rope = None
+    if float_cpu:
+        float_graphs, float_coverages = _add_float_graphs(p, sub_request, layout, plan, states)
+        if not static:
+            coverages = float_coverages
+            graph_names = [layout.graph_name(s.index, FLOAT) for s in specs]
+        rope = p.register_stage(bundle.rotary, "rotary", reads=("input.state",))
+        cpu = p.register_stage(bundle.float_bundle, "cpu_bundle", reads=()).depends_on(plan, rope)
+        products += [g.name for g in float_graphs] + [cpu.name]
+        files |= {f"{CPU}/{layout.graph_name(s.index, FLOAT)}.onnx" for s in specs}
+        files |= {f"{CPU}/{CONFIG_NAME}", f"{CPU}/{bundle.PROCESSOR}"}
+        checked = float_graphs
+    elif (opts.kv_bits or 8) == 8:  # onnxruntime-genai's windowed cache holds uint8 only
+        rope = p.register_stage(bundle.rotary, "rotary", reads=("input.state",))
+        cpu = p.register_stage(bundle.cpu_bundle, "cpu_bundle", reads=("ctx.kv_bits",))
+        cpu.depends_on(plan, rope)
+        products.append(cpu.name)
+        files |= {f"{CPU}/{CONFIG_NAME}", f"{CPU}/{bundle.PROCESSOR}"}
+        checked = static_graphs
+    if rope is not None and opts.check_numerics:
+        check = p.register_stage(check_generation, "check_generation", reads=("input", "samples"))
+        check.depends_on(plan, cpu, *checked)
+        p.reports["numerics"] = check.name
+    coverage = p.register_stage(
+        functools.partial(stages.coverage_summary, tuple(graph_names)), "coverage", reads=()
+    )
+    coverage.depends_on(*coverages)
+    p.reports["coverage"] = coverage.name
+    if opts.check_htp:
+        _add_htp_checks(p, opts.htp_targets(), plan, graphs_of)
+    if targets:
+        products += _add_context_stages(p, targets, graphs_of, plan, rope)
+        files |= htp_bundle.bundle_files(
+            layout, request.model_name, targets, genai=rope is not None
+        )
+    if model_tokenizer(model) is not None:  # into every bundle folder
+        folders = (CPU, *(f for t in targets for f in htp_bundle.folders(t, targets)))
+        tok = p.register_stage(
+            functools.partial(tokenizer_files, folders), "tokenizer", reads=("input.structure",)
+        )
+        products.append(tok.name)
+        files |= {f"{f}/{name}" for f in folders for name in (TOKENIZER, TOKENIZER_CONFIG)}
+    p.products = products
+    p.output_files = frozenset(files)
+    return p
+
+
+def _add_static_graphs(
+    p: Pipeline,
+    sub_request: Any,
+    layout: LlmPlan,
+    plan: StageRef,
+    states: list[StageRef],
+    graphs_of: dict[int, list[StageRef]],
+) -> tuple[list[StageRef], list[str], list[str]]:
+    """Each part's prompt and token graphs, with the integer KV cache their calibration
+    ranges give (``llm_generation``, ``p<i>.kv``); fills ``graphs_of`` (part -> graphs).
+    Returns the graph stages, their coverage stages' names and the graphs' names."""
+    from graphbuild.targets.qnn.pipeline.build import build_qnn_pipeline
+
     generation = p.register_stage(
         stages.llm_generation,
         "llm_generation",
@@ -94,15 +182,8 @@ def build_llm_pipeline(request: Request) -> Pipeline:
         ),
         rematerialize=True,
     ).depends_on(plan)
-    sub_opts = replace(
-        opts, check_numerics=False, check_htp=False, input_names=None, output_names=None
-    )
-    sub_request = _SubRequest(request.target, "onnx_qdq", request.model_name, sub_opts)
-    products, coverages, graph_names, graphs_of = [], [], [], {}
-    for index in range(1, len(specs) + 1):
-        state = p.register_stage(
-            functools.partial(stages.part_state, index), f"p{index}.state", reads=("input.state",)
-        ).depends_on(plan)
+    graphs, coverages, names_out = [], [], []
+    for index, state in enumerate(states, start=1):
         kv = p.register_stage(
             functools.partial(stages.part_kv, index), f"p{index}.kv", reads=("ctx.kv_bits",)
         ).depends_on(generation, plan)
@@ -123,40 +204,35 @@ def build_llm_pipeline(request: Request) -> Pipeline:
                 f"p{index}.{kind}.graph",
                 reads=("ctx.kv_bits",),
             ).depends_on(names["bind"], kv, view)
-            products.append(graph.name)
+            graphs.append(graph)
             graphs_of.setdefault(index, []).append(graph)
             coverages.append(names["coverage"])
-            graph_names.append(layout.graph_name(index, kind))
-    coverage = p.register_stage(
-        functools.partial(stages.coverage_summary, tuple(graph_names)), "coverage", reads=()
-    )
-    coverage.depends_on(*coverages)
-    p.reports["coverage"] = coverage.name
-    files = {f"{CPU}/{name}.onnx" for name in graph_names}
-    rope = None
-    if opts.kv_bits == 8:  # onnxruntime-genai's windowed cache holds uint8 only
-        rope = p.register_stage(bundle.rotary, "rotary", reads=("input.state",))
-        cpu = p.register_stage(bundle.cpu_bundle, "cpu_bundle", reads=("ctx.kv_bits",))
-        cpu.depends_on(plan, rope)
-        graphs = list(products)
-        products.append(cpu.name)
-        files |= {f"{CPU}/{CONFIG_NAME}", f"{CPU}/{bundle.PROCESSOR}"}
-        if opts.check_numerics:
-            check = p.register_stage(
-                check_generation, "check_generation", reads=("input", "samples")
-            )
-            check.depends_on(plan, cpu, *graphs)
-            p.reports["numerics"] = check.name
-    if opts.check_htp:
-        _add_htp_checks(p, opts.htp_targets(), plan, graphs_of)
-    if targets:
-        products += _add_context_stages(p, targets, graphs_of, plan, rope)
-        files |= htp_bundle.bundle_files(
-            layout, request.model_name, targets, genai=rope is not None
-        )
-    p.products = products
-    p.output_files = frozenset(files)
-    return p
+            names_out.append(layout.graph_name(index, kind))
+    return graphs, coverages, names_out
+
+
+def _add_float_graphs(
+    p: Pipeline, sub_request: Any, layout: LlmPlan, plan: StageRef, states: list[StageRef]
+) -> tuple[list[StageRef], list[str]]:
+    """Each part's float graph (``p<i>.float.*``): the part traced with dynamic lengths and
+    genai's default cache layout, bound to its weights; nothing calibrates. Returns the graph
+    stages and their coverage stages' names."""
+    from graphbuild.targets.qnn.pipeline.build import build_qnn_pipeline
+
+    graphs, coverages = [], []
+    for index, state in enumerate(states, start=1):
+        view = p.register_stage(
+            functools.partial(stages.graph_plan, index, FLOAT), f"p{index}.{FLOAT}.plan", reads=()
+        ).depends_on(plan)
+        sub = build_qnn_pipeline(sub_request, "onnx_qdq")
+        replaced = {"capture": stages.capture_float}
+        names = include_part(p, sub, index, FLOAT, view, state, None, replaced)
+        graph = p.register_stage(
+            functools.partial(stages.float_graph, index), f"p{index}.{FLOAT}.graph", reads=()
+        ).depends_on(names["bind"], view)
+        graphs.append(graph)
+        coverages.append(names["coverage"])
+    return graphs, coverages
 
 
 def _add_context_stages(

@@ -17,6 +17,7 @@ from torch import nn
 from graphbuild.errors import ConfigError
 from graphbuild.targets.qnn.llm.adapters import CausalLm
 from graphbuild.targets.qnn.llm.parts import (
+    FLOAT,
     PartSpec,
     layer_bytes,
     part_module,
@@ -25,6 +26,9 @@ from graphbuild.targets.qnn.llm.parts import (
 
 #: The graph kinds of every part: (name, sequence length) with ``N`` standing for prompt_len.
 KINDS = ("prompt", "token")
+#: The sizes a float graph is traced at (new tokens, past tokens): any other size runs too
+#: (:func:`float_dynamic_shapes`); not 0 or 1, which torch.export would specialise.
+FLOAT_SAMPLE = (3, 5)
 
 #: What one part may weigh on the device by default: below the HTP's per-context limit of v73
 #: (about 2 GB, shared with activations), as Qualcomm's own splits of 3B and 8B models are.
@@ -81,12 +85,12 @@ class LlmPlan:
 
     def for_graph(self, index: int, kind: str) -> LlmPlan:
         """What one part graph depends on: its part alone, and the prompt length only for a
-        prompt graph (a token graph's shapes do not depend on it)."""
+        prompt graph (a token graph's shapes do not depend on it); a float graph on neither."""
         return LlmPlan(
             self.facts,
             (self.spec(index),),
             self.prompt_len if kind == "prompt" else 0,
-            self.context_len,
+            0 if kind == FLOAT else self.context_len,
         )
 
     def seq_len(self, kind: str) -> int:
@@ -95,12 +99,14 @@ class LlmPlan:
     def graph_name(self, index: int, kind: str) -> str:
         return self.spec(index).graph_name(kind, self.seq_len(kind), self.context_len)
 
-    def part_module(self, lm: CausalLm, index: int) -> nn.Module:
-        return part_module(lm, self.spec(index))
+    def part_module(self, lm: CausalLm, index: int, kind: str = "prompt") -> nn.Module:
+        return part_module(lm, self.spec(index), float_cache=kind == FLOAT)
 
     def sample_inputs(self, index: int, kind: str) -> tuple[torch.Tensor, ...]:
         """Zeros of the part's input shapes and dtypes (what it is traced on: its graph
         depends on shapes alone)."""
+        if kind == FLOAT:
+            return self._float_samples(index)
         spec, n, cl, f = self.spec(index), self.seq_len(kind), self.context_len, self.facts
         if spec.embed:
             return (torch.zeros(1, n, dtype=torch.int32),)
@@ -113,6 +119,20 @@ class LlmPlan:
         for _ in spec.layers:
             out += [torch.zeros(f.kv_heads, 1, f.head_dim, cl - n)]
             out += [torch.zeros(f.kv_heads, 1, cl - n, f.head_dim)]
+        return tuple(out)
+
+    def _float_samples(self, index: int) -> tuple[torch.Tensor, ...]:
+        spec, f = self.spec(index), self.facts
+        s, past = FLOAT_SAMPLE
+        if spec.embed:
+            return (torch.zeros(1, s, dtype=torch.int32),)
+        out = [
+            torch.zeros(1, s, f.hidden),
+            torch.zeros(1, 1, s, past + s + 1),  # longer: see DecoderPart
+            torch.zeros(1, 1, s, f.rotary_dim // 2),
+            torch.zeros(1, 1, s, f.rotary_dim // 2),
+        ]
+        out += [torch.zeros(1, f.kv_heads, past, f.head_dim) for _ in range(2 * len(spec.layers))]
         return tuple(out)
 
     def to_json(self) -> dict[str, Any]:
@@ -191,3 +211,15 @@ def make_plan(
                 break
             count += 1
     return LlmPlan(ModelFacts.of(lm), specs, prompt_len, context_len)
+
+
+def float_dynamic_shapes(samples: tuple[torch.Tensor, ...]) -> tuple:
+    """torch.export's ``dynamic_shapes`` of a float graph's inputs (:meth:`LlmPlan.
+    sample_inputs` of kind ``float``): the new tokens ``S`` and the past ``P`` any size, the
+    mask's keys ``P + S``. Each dimension is ``Dim.DYNAMIC``: torch works out which are equal
+    and that the mask's is the sum (a named ``Dim`` cannot say so)."""
+    dyn = torch.export.Dim.DYNAMIC
+    if len(samples) == 1:
+        return ({1: dyn},)
+    kv = tuple({2: dyn} for _ in samples[4:])
+    return ({1: dyn}, {2: dyn, 3: dyn}, {2: dyn}, {2: dyn}, kv)

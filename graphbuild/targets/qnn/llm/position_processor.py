@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_MASK_VALUE",
     "POSITION_IDS_IN",
     "PROCESSOR_OUTPUTS",
+    "build_float_position_processor",
     "build_position_processor",
     "write_position_processor",
 ]
@@ -73,9 +74,7 @@ def build_position_processor(
     ``context_len`` slots fed ``prompt_len`` tokens per prompt run.
 
     ``mask_value`` is the additive mask of a slot not attended (negative)."""
-    freqs = np.asarray(inv_freq, dtype=np.float32).reshape(-1)
-    if freqs.size == 0 or not np.all(np.isfinite(freqs)):
-        raise ConfigError(f"inv_freq must be a non-empty finite float array, got {freqs!r}")
+    freqs = _frequencies(inv_freq)
     if prompt_len < 1 or context_len < 2 * prompt_len:
         raise ConfigError(
             f"context_len ({context_len}) must be at least 2 * prompt_len ({prompt_len}): "
@@ -84,11 +83,40 @@ def build_position_processor(
     if not mask_value < 0:
         raise ConfigError(f"mask_value must be negative (the mask is additive), got {mask_value}")
 
+    return _processor(freqs, attention_scaling, mask_value, context_len)
+
+
+def build_float_position_processor(
+    inv_freq: Sequence[float] | np.ndarray,
+    *,
+    attention_scaling: float = 1.0,
+    mask_value: float = DEFAULT_MASK_VALUE,
+) -> onnx.ModelProto:
+    """The position processor of the float bundle, which onnxruntime-genai runs with its
+    default (unwindowed) KV cache: ``attention_mask_before_processor`` is [1, T] (the ``T``
+    tokens so far, this run's ``S`` last) and the mask [1, 1, S, T]; otherwise as
+    :func:`build_position_processor`."""
+    freqs = _frequencies(inv_freq)
+    if not mask_value < 0:
+        raise ConfigError(f"mask_value must be negative (the mask is additive), got {mask_value}")
+    return _processor(freqs, attention_scaling, mask_value, None)
+
+
+def _frequencies(inv_freq: Sequence[float] | np.ndarray) -> np.ndarray:
+    freqs = np.asarray(inv_freq, dtype=np.float32).reshape(-1)
+    if freqs.size == 0 or not np.all(np.isfinite(freqs)):
+        raise ConfigError(f"inv_freq must be a non-empty finite float array, got {freqs!r}")
+    return freqs
+
+
+def _processor(
+    freqs: np.ndarray, attention_scaling: float, mask_value: float, context_len: int | None
+) -> onnx.ModelProto:
+    """The processor's graph: ``context_len`` key slots, or as many as genai's mask has
+    (None)."""
     inits = [
         numpy_helper.from_array(freqs.reshape(1, 1, -1), "inv_freq"),
         numpy_helper.from_array(np.array(attention_scaling, np.float32), "attention_scaling"),
-        numpy_helper.from_array(np.arange(context_len, dtype=np.int64), "key_slots"),
-        numpy_helper.from_array(np.array(context_len, np.int64), "context_len"),
         numpy_helper.from_array(np.array(0, np.int64), "zero_i64"),
         numpy_helper.from_array(np.array(1, np.int64), "one_i64"),
         numpy_helper.from_array(np.array([1], np.int64), "axis_1"),
@@ -98,7 +126,21 @@ def build_position_processor(
         numpy_helper.from_array(np.array(mask_value, np.float32), "masked"),
     ]
     node = helper.make_node
+    if context_len is None:  # genai's default cache: the mask covers every key so far
+        slots = [
+            node("Shape", [ATTENTION_MASK_IN], ["mask_shape"], start=1, end=2),
+            node("Squeeze", ["mask_shape"], ["context_len"]),  # T, a scalar
+            node("Range", ["zero_i64", "context_len", "one_i64"], ["key_slots"]),
+        ]
+        keys: int | str = "keys"
+    else:
+        inits += [
+            numpy_helper.from_array(np.arange(context_len, dtype=np.int64), "key_slots"),
+            numpy_helper.from_array(np.array(context_len, np.int64), "context_len"),
+        ]
+        slots, keys = [], context_len
     nodes = [
+        *slots,
         # Rotary tables: angle[0, s, f] = position[s] * inv_freq[f], as transformers' rotary
         # embedding computes it in float32 (one product per entry).
         node("Cast", [POSITION_IDS_IN], ["positions_f"], to=TensorProto.FLOAT),
@@ -129,12 +171,12 @@ def build_position_processor(
         nodes,
         "position_processor",
         [
-            helper.make_tensor_value_info(ATTENTION_MASK_IN, TensorProto.INT32, [1, context_len]),
+            helper.make_tensor_value_info(ATTENTION_MASK_IN, TensorProto.INT32, [1, keys]),
             helper.make_tensor_value_info(POSITION_IDS_IN, TensorProto.INT32, [1, "sequence"]),
         ],
         [
             helper.make_tensor_value_info(
-                PROCESSOR_OUTPUTS[0], TensorProto.FLOAT, [1, 1, "sequence", context_len]
+                PROCESSOR_OUTPUTS[0], TensorProto.FLOAT, [1, 1, "sequence", keys]
             ),
             helper.make_tensor_value_info(
                 PROCESSOR_OUTPUTS[1], TensorProto.FLOAT, [1, 1, "sequence", half]

@@ -17,10 +17,12 @@ import torch
 
 from graphbuild.engine.fingerprint import state_digests
 from graphbuild.errors import ConfigError
+from graphbuild.frontend.capture import capture_program
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.bundle import CPU
 from graphbuild.targets.qnn.llm.kv_io import kv_encoding, quantize_kv_io
-from graphbuild.targets.qnn.llm.plan import KINDS, LlmPlan, make_plan
+from graphbuild.targets.qnn.llm.parts import FLOAT
+from graphbuild.targets.qnn.llm.plan import KINDS, LlmPlan, float_dynamic_shapes, make_plan
 from graphbuild.targets.qnn.llm.runner import PartRunner
 
 
@@ -107,7 +109,7 @@ def part_kv(index: int, inputs: tuple, samples: Any, context: Any) -> dict[str, 
     """The KV encodings of part ``index``'s layers: (scale, zero point) per tensor."""
     recording, plan_json = inputs
     spec = LlmPlan.from_json(plan_json).spec(index)
-    bits = context["kv_bits"]
+    bits = kv_bits(context)
     out = {}
     for layer in spec.layers:
         for kind in ("key", "value"):
@@ -124,12 +126,30 @@ def part_state(index: int, inputs: tuple, samples: Any, context: Any) -> dict[st
     return dict(sorted(state_digests(module).tensors.items()))
 
 
+def capture_float(model: Any, samples: Any, context: Any) -> Any:
+    """The float graph's ``capture``: the part traced with the new tokens and the past any
+    size (:func:`~.plan.float_dynamic_shapes`)."""
+    return capture_program(model, samples, dynamic_shapes=float_dynamic_shapes(samples))
+
+
+def float_graph(index: int, inputs: tuple, samples: Any, context: Any) -> dict:
+    """The float bundle's graph of part ``index``, float KV and all, under its file name."""
+    bound, plan_json = inputs
+    plan = LlmPlan.from_json(plan_json)
+    return {f"{CPU}/{plan.graph_name(index, FLOAT)}.onnx": bound}
+
+
+def kv_bits(context: Any) -> int:
+    """The bits of the static graphs' KV cache: ``kv_bits``, 8 where the option is unset."""
+    return context["kv_bits"] or 8
+
+
 def kv_graph(index: int, kind: str, inputs: tuple, samples: Any, context: Any) -> dict:
     """The part graph with its KV cache as integers (:mod:`.kv_io`), under its file name."""
     bound, encodings, plan_json = inputs
     plan = LlmPlan.from_json(plan_json)
     if plan.spec(index).layers:
-        bound = quantize_kv_io(bound, encodings, context["kv_bits"])
+        bound = quantize_kv_io(bound, encodings, kv_bits(context))
     return {f"{CPU}/{plan.graph_name(index, kind)}.onnx": bound}
 
 
