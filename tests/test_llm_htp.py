@@ -177,6 +177,22 @@ def test_an_arch_without_weight_sharing_is_refused_before_any_stage(tmp_path: Pa
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.json"))
 
 
+@pytest.mark.parametrize("option", ["contexts", "check_htp"])
+def test_the_htp_without_a_preset_is_refused_before_any_stage(tmp_path: Path, option: str) -> None:
+    """The HTP runs the quantized part graphs: with no preset there are none to prepare."""
+    with pytest.raises(ConfigError) as err:
+        _export(
+            causal_lm("llama", layers=2),
+            tmp_path / "out",
+            tmp_path / "cache",
+            quantizer=None,
+            **{"contexts": False, option: True},
+        )
+    assert option in str(err.value) and "w8a16" in str(err.value)
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.json"))
+
+
 @needs_htp
 def test_the_part_graphs_on_the_htp_simulator_generate_what_they_do_on_the_cpu(
     tmp_path: Path,

@@ -56,6 +56,13 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     # token ids, or an error now, before any stage runs
     stages.token_ids(getattr(request, "data", None), "the sample inputs")
     stages.token_prompts(opts.calibration, getattr(request, "data", None))
+    for wanted, option in ((opts.contexts, "contexts"), (opts.check_htp, "check_htp")):
+        if wanted and opts.quantizer is None:  # the HTP takes the preset's QDQ part graphs
+            raise ConfigError(
+                f"{option} = true runs the part graphs on Qualcomm's HTP, which takes them "
+                "quantized, and this export has no preset: set one (w8a16, w8a8, w4a16 or "
+                f"w4a16_lpbq), or {option} = false for the float CPU bundle"
+            )
     targets = opts.htp_targets() if opts.contexts else ()
     for t in targets:  # before any work: contexts share weights from v73 on
         try:
