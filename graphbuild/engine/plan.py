@@ -102,7 +102,12 @@ def explain_plan(
         for dep in pending:  # unknown until it reruns: do not report it as a change
             now["upstream"][dep] = ((last or {}).get("upstream") or {}).get(dep)
         reason, changes = explain_changes(last, now)
-        if not last:
+        if last and planned.status == StageStatus.HIT and last.get("key") != planned.key:
+            # a hit of an entry an earlier run made: the last run built another variant (a
+            # format switched back, a preset undone), whose reads are no reason for this one
+            reason = "a hit of an earlier run's entry (the last run built another variant)"
+            changes = []
+        elif not last:
             reason = "no record of a previous run"
         elif not changes and planned.status == StageStatus.HIT:
             reason = "unchanged since the last run"
