@@ -140,3 +140,14 @@ def test_other_rotary_families_pass_strict_coverage_on_the_htp(family, tmp_path)
     (check,) = export(family, tmp_path).report.extra["htp"]["checks"]
     assert check["compiled"], check["summary"]
     assert check["partition"]["float_ops"] == []
+
+
+@pytest.mark.slow
+def test_a_rotary_llama_with_layer_overrides_passes_strict_coverage_on_the_htp(tmp_path):
+    """Overrides quantize in one PT2E stage (not the split placement): the same fold runs
+    there, so no op is float either (8 were before it)."""
+    art = export("llama", tmp_path, layer_overrides={"model.model.layers.0.mlp.*": "w4"})
+    (check,) = art.report.extra["htp"]["checks"]
+    assert check["compiled"], check["summary"]
+    assert check["partition"]["float_ops"] == []
+    assert "as layer_overrides asked" in art.report.extra["coverage"]["summary"]
