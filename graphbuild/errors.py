@@ -12,6 +12,11 @@ class ReportedWarning(UserWarning):
     line prints it from the report, so it is not printed a second time as a warning."""
 
 
+class IgnoredConfigWarning(UserWarning):
+    """A key of a shared configuration file the exported target does not take (another
+    target's preset or option): left out of the export, and said once."""
+
+
 class ConfigError(GraphbuildError):
     """Bad configuration or usage: a missing file, an unknown key, a wrong type."""
 

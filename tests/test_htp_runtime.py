@@ -169,6 +169,7 @@ def test_without_onnxruntime_qnn_the_reason_says_what_to_install(monkeypatch):
         found = hr.availability()
         assert not found.available
         assert "pip install 'graphbuild[htp]'" in found.reason
+        assert 'pip install -e ".[htp]"' in found.reason  # the README's and docs' form
         assert "Linux x86_64" in found.reason
         with pytest.raises(HtpUnavailableError, match="onnxruntime-qnn is not installed"):
             hr.require_backend()

@@ -18,8 +18,7 @@ with onnxruntime's CPU on the same file.
 
 Default suite: a CNN per preset (one through the ``onnx`` format) and GPT-2; ``-m slow`` runs
 the rest. The Q/DQ forms and rewrites that make the transformers compile fully quantized are
-issue 18's (``qdq_forms``, ``htp_patterns``); the one op QNN runs float by design is named
-below.
+issue 18's (``qdq_forms``, ``htp_patterns``); no op runs float by design (``FLOAT_BY_DESIGN``).
 """
 
 from __future__ import annotations
@@ -44,15 +43,11 @@ DEFAULT = {
     ("gpt2", "w8a8", "onnx_qdq"),
 }
 
-#: Ops QNN runs in float by design, per model (QNN's op type, count, why): a rotary
-#: embedding's positions x inverse frequencies. Its positions are an integer tensor cast to
-#: float, whose output AIMET's htp_v81 configuration (and so the HTP rules) leaves float:
-#: quantized, positions would lose the exactness the angles need (8 bits: a step of 1/16 of
-#: the sequence). QNN takes the one Mul in float on the HTP, no CPU fallback.
-FLOAT_BY_DESIGN = {
-    "llama": ("ElementWiseMultiply", 1, "rotary positions x inv_freq: an integer Cast feeds it"),
-    "gptneox": ("ElementWiseMultiply", 1, "rotary positions x inv_freq: an integer Cast feeds it"),
-}
+#: Ops QNN runs in float by design, per model (QNN's op type, count, why). None: a rotary
+#: embedding's positions x inverse frequencies, which QNN ran float while its positions were
+#: an integer Cast, is quantized since static positions fold into a constant
+#: (rewrites.constants; tests/test_htp_rotary.py).
+FLOAT_BY_DESIGN: dict[str, tuple[str, int, str]] = {}
 
 
 #: Where the HTP's numbers are not yet within the bounds above (every one compiles fully

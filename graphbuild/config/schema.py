@@ -29,6 +29,7 @@ _TOP: dict[str, OptionType] = {
     "quantization": _TABLE,
     "options": _TABLE,
     "sweep": _TABLE,  # read by `graphbuild sweep` (graphbuild.sweeps), which checks it
+    "targets": _TABLE,  # [targets.<name>]: one target's own keys (graphbuild.config.targets)
 }
 _QUANTIZATION: dict[str, OptionType] = {"preset": STR, "quantizer": STR}
 # [cache]: dir (as cache_dir), url (a shared cache: redis://host:port/db), readonly (read the
@@ -88,9 +89,12 @@ def _describe(value: Any) -> str:
     return f"{value!r} ({kinds.get(type(value), type(value).__name__)})"
 
 
-def _validate(table: Mapping[str, Any], where: str) -> None:
+def _validate(table: Mapping[str, Any], where: str, given: Iterable[str] = ()) -> None:
     """Unknown keys and wrong types, each a ConfigError naming the key and its table. The
-    ``[options]`` table is checked against the configured target's schema."""
+    ``[options]`` table is checked against the configured target's schema; when the command
+    line picked another target (``given``: the keys it set), a key of another target's from the
+    file is accepted (the export skips it, with a warning). ``[targets.<name>]`` is checked against that target's keys."""
+    given = set(given)
     top = _top_keys()
     for key, value in table.items():
         if key not in top:
@@ -107,11 +111,33 @@ def _validate(table: Mapping[str, Any], where: str) -> None:
         if key in _TABLES or key == "options":
             schema = _TABLES[key] if key != "options" else _target_schema(table, where)
             for sub, subvalue in value.items():
-                if sub not in schema:
+                expected = schema.get(sub)
+                if expected is None and "target" in given and f"options.{sub}" not in given:
+                    expected = _foreign_option(sub)  # the file's, for another target: skipped
+                if expected is None:
                     raise ConfigError(
                         f"{where}: unknown key '{sub}' in [{key}]{_suggest(sub, schema)}"
                     )
-                _check_type(f"{key}.{sub}", subvalue, schema[sub], where)
+                _check_type(f"{key}.{sub}", subvalue, expected, where)
+        elif key == "targets":
+            from graphbuild.config.targets import check_target_tables
+
+            for name, schema in check_target_tables(value, where).items():
+                for sub, subvalue in value[name].items():
+                    if sub not in schema:
+                        raise ConfigError(
+                            f"{where}: unknown key '{sub}' in [targets.{name}]"
+                            f"{_suggest(sub, schema)}"
+                        )
+                    _check_type(f"targets.{name}.{sub}", subvalue, schema[sub], where)
+
+
+def _foreign_option(key: str) -> OptionType | None:
+    """The type of ``key`` as the first target whose options know it declares it."""
+    for target in all_targets():
+        if key in target.config_schema:
+            return target.config_schema[key]
+    return None
 
 
 def _target_schema(table: Mapping[str, Any], where: str) -> Mapping[str, OptionType]:

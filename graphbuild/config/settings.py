@@ -27,6 +27,7 @@ from graphbuild.config.specs import (
     _split,
     _stem,
 )
+from graphbuild.config.targets import resolve_for_target, warn_ignored
 from graphbuild.errors import ConfigError
 from graphbuild.targets.registry import DEFAULT_TARGET, get_target
 
@@ -73,6 +74,9 @@ class Config:
     quantizer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()
+    #: what the exported target ignores of the file's shared keys, one message each (each
+    #: also warned once when the configuration is loaded)
+    ignored: tuple[str, ...] = ()
     #: keys the command line set (``--set`` and flags), as the table spells them
     overridden: frozenset[str] = frozenset()
     sweep: Mapping[str, Any] = field(default_factory=dict)
@@ -316,10 +320,15 @@ def load_config(
         root = source.parent
     where = str(source) if source else "command line"
     _validate(table, where)
+    file_target = table.get("target", DEFAULT_TARGET)
     dropped = _drop_model_keys(table, pairs, root)
     overridden = frozenset(_apply_override(table, key, value) for key, value in pairs)
-    _validate(table, f"{where} (with --set)" if pairs else where)
-    return replace(_build(table, root, source, dropped), overridden=overridden)
+    _validate(table, f"{where} (with --set)" if pairs else where, overridden)
+    table, ignored = resolve_for_target(table, where, overridden, file_target)
+    warn_ignored(ignored)
+    return replace(
+        _build(table, root, source, dropped), overridden=overridden, ignored=tuple(ignored)
+    )
 
 
 def _drop_model_keys(table: dict[str, Any], pairs: list[Any], root: Path) -> tuple[str, ...]:

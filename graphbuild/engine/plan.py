@@ -102,7 +102,14 @@ def explain_plan(
         for dep in pending:  # unknown until it reruns: do not report it as a change
             now["upstream"][dep] = ((last or {}).get("upstream") or {}).get(dep)
         reason, changes = explain_changes(last, now)
-        if not last:
+        if last and planned.status == StageStatus.HIT and last.get("key") != planned.key:
+            # a hit of an entry an earlier run made, the last run having built another variant
+            # (a format switched back, a preset undone): what reads differ from that run is
+            # worth showing, but not its code, which is the other variant's function under
+            # this stage's name (the code of the entry hit is this one's)
+            changes = [c for c in changes if c.read != "code"]
+            reason = "a hit of an earlier run's entry (the last run built another variant)"
+        elif not last:
             reason = "no record of a previous run"
         elif not changes and planned.status == StageStatus.HIT:
             reason = "unchanged since the last run"

@@ -197,10 +197,11 @@ def _check_shapes(flat: list[Any], traced: list[Any]) -> None:
             d is not None and d != v for d, v in zip(want, value.shape, strict=True)
         ):
             shown = [d if d is not None else "*" for d in want]
+            dynamic = " (* a dynamic dimension)" if None in want else ""
             raise CodecError(
                 f"input {position} has shape {list(value.shape)}; the program was traced "
-                f"for {shown} (* a dynamic dimension): give inputs of the traced shape, or "
-                "export with dynamic shapes"
+                f"for {shown}{dynamic}: give inputs of the traced shape (the sample inputs'; "
+                "only a target that takes dynamic dimensions can trace others)"
             )
 
 

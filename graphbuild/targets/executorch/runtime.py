@@ -21,6 +21,7 @@ import torch
 
 from graphbuild.errors import ExportError
 from graphbuild.frontend.reference import output_errors
+from graphbuild.targets.native_log import native_lines_logged
 from graphbuild.targets.workers import run_worker
 
 _WORKER = "graphbuild.targets.executorch.runtime"
@@ -31,9 +32,11 @@ def run_pte(pte: bytes, args: tuple, method: str = "forward") -> list[torch.Tens
     """Outputs of ``method`` of the program in ``pte`` on CPU tensors ``args``."""
     from executorch.runtime import Runtime
 
-    program = Runtime.get().load_program(pte)
     leaves = [a for a in torch.utils._pytree.tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
-    outputs = program.load_method(method).execute([t.detach().cpu().contiguous() for t in leaves])
+    with native_lines_logged("executorch"):  # its CPU probe's lines, in graphbuild's logging
+        program = Runtime.get().load_program(pte)
+        inputs = [t.detach().cpu().contiguous() for t in leaves]
+        outputs = program.load_method(method).execute(inputs)
     return [o for o in outputs if isinstance(o, torch.Tensor)]
 
 

@@ -29,8 +29,10 @@ __all__ = [
 ]
 
 INSTALL = (
-    "install the htp extra: pip install 'graphbuild[htp]' (onnxruntime-qnn 2.7, which ships "
-    "QNN's HTP backend for Linux x86_64 and Windows on ARM64 and needs onnxruntime >= 1.24.2)"
+    'install the htp extra: pip install -e ".[htp]" in a clone of graphbuild, as the README '
+    "installs it (from a package index: pip install 'graphbuild[htp]'); it brings "
+    "onnxruntime-qnn 2.7, which ships QNN's HTP backend for Linux x86_64 and Windows on ARM64 "
+    "and needs onnxruntime >= 1.24.2"
 )
 
 

@@ -14,6 +14,8 @@ in the aten graph too. These rewrites make that so:
 * patterns QNN's HTP refuses or computes wrong are rewritten into forms it runs
   (:mod:`graphbuild.targets.qnn.rewrites.patterns`: GELU with tanh, RMSNorm, zero-size tensors,
   computed biases, pools over the whole input);
+* integer arithmetic on static shapes cast to float (a rotary embedding's positions) becomes
+  the constant it computes (:mod:`.constants`), which QNN runs quantized;
 * a Python number an op computes with (``x * 0.5``, ``x + 1e-6``) becomes a 0-d tensor
   constant, the initializer QNN quantizes; a float tensor filled with one number (``zeros``,
   ``full``) becomes that constant expanded, as the exporter writes it.
@@ -33,6 +35,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 
+from graphbuild.targets.qnn.rewrites.constants import fold_integer_constants
 from graphbuild.targets.qnn.rewrites.decompositions import _DECOMPOSITIONS
 from graphbuild.targets.qnn.rewrites.emitter import _Emitter, _float_val
 from graphbuild.targets.qnn.rewrites.patterns import drop_dead_nodes, fuse_patterns
@@ -91,6 +94,7 @@ def rewrite_for_htp(gm: GraphModule) -> GraphModule:
             )
             node.replace_all_uses_with(result)
             graph.erase_node(node)
+    fold_integer_constants(graph, emit)
     drop_dead_nodes(graph)
     _lift_scalars(graph, emit)
     graph.lint()

@@ -4,7 +4,9 @@ ops that each lower to one, so that each tensor QNN quantizes exists in the aten
 ``adaptive_avg_pool2d`` to 1x1 (ReduceMean) and ``scaled_dot_product_attention`` (MatMul, Mul,
 Where or Add, Softmax, MatMul); a ``softmax`` asked for its input's own dtype loses the no-op
 Cast; a float tensor filled with one number (``zeros``, ``full``) becomes that number
-expanded, as the exporter writes it. The HTP's patterns (:mod:`.patterns`) join the table.
+expanded, as the exporter writes it; ``table[idx]`` on the first dimension is an
+``index_select`` (Gather, which QNN's HTP runs quantized, where the exporter's GatherND runs
+float). The HTP's patterns (:mod:`.patterns`) join the table.
 
 A boolean attention mask is applied as ``where(mask, scores, MASK_FILL)``: ``-inf`` has no
 quantized representation and ``finfo.min`` would leave the scores no resolution on any grid,
@@ -138,6 +140,25 @@ def _softmax(emit: _Emitter, node: Node) -> Node | None:
     return emit(node.target, x, dim)
 
 
+def _index(emit: _Emitter, node: Node) -> Node | None:
+    """``table[idx]`` with one integer index on the first dimension (Swin's relative position
+    bias): the exporter writes GatherND, which QNN's HTP runs float; ``index_select`` is a
+    Gather, which it runs on the table's grid. A rank-k index is flattened and the result
+    viewed back."""
+    x, indices = node.args[0], node.args[1]
+    if _float_val(x) is None or len(indices) != 1 or not isinstance(indices[0], Node):
+        return None
+    idx = indices[0].meta.get("val")
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
+        return None
+    shape = [*idx.shape, *_float_val(x).shape[1:]]
+    if idx.dim() == 0 or not all(isinstance(d, int) for d in shape):
+        return None
+    flat = indices[0] if idx.dim() == 1 else emit(aten.view.default, indices[0], [-1])
+    taken = emit(aten.index_select.default, x, 0, flat)
+    return taken if idx.dim() == 1 else emit(aten.view.default, taken, shape)
+
+
 _FILLED = (
     aten.zeros.default,
     aten.ones.default,
@@ -160,5 +181,6 @@ _DECOMPOSITIONS: dict[Any, Callable[[_Emitter, Node], Node | None]] = {
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.softmax.int: _softmax,
     aten.log_softmax.int: _softmax,
+    aten.index.Tensor: _index,
     **NODE_REWRITES,
 }

@@ -56,6 +56,17 @@ class _Emitter:
         node.meta["val"] = self.fake_mode.from_tensor(tensor, static_shapes=True)
         return node
 
+    def tensor(self, value: torch.Tensor) -> Node:
+        """A tensor constant of ``value`` (a get_attr of a new module attribute)."""
+        name = f"{_SCALAR_PREFIX}_{self.count}"
+        self.count += 1
+        tensor = value.detach().clone().contiguous()
+        setattr(self.gm, name, tensor)
+        node = self.graph.create_node("get_attr", name)
+        node.meta.update(self.template)
+        node.meta["val"] = self.fake_mode.from_tensor(tensor, static_shapes=True)
+        return node
+
 
 def _val(arg: Any) -> Any:
     if isinstance(arg, Node):
