@@ -127,6 +127,8 @@ def _follow(sock: socket.socket) -> Any:
                 os.kill(pid, signal.SIGINT)
             continue
         except (ProtocolError, OSError):
+            if pid is None and code is None:
+                return "restart"  # it exited (idle) before taking the command: a fresh one will
             if code is None:
                 print(
                     "error: the build server lost this command (its process died); "

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 from graphbuild.server.client import connect, connect_quietly
 from graphbuild.server.paths import socket_path
@@ -14,6 +16,20 @@ from graphbuild.server.protocol import ProtocolError, receive, send
 __all__ = ["server_command"]
 
 USAGE = "usage: graphbuild server status|stop [--json]"
+
+
+def _ask(path: Path, op: str) -> dict[str, Any] | None:
+    """The server's answer to ``op``; None when none is running (or it exited, idle,
+    before answering)."""
+    sock = connect(path)
+    if sock is None:
+        return None
+    with sock:
+        try:
+            send(sock, {"op": op})
+            return receive(sock)[0]
+        except (OSError, ProtocolError):
+            return None
 
 
 def server_command(argv: list[str]) -> int:
@@ -30,20 +46,13 @@ def server_command(argv: list[str]) -> int:
     except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    sock = connect(path)
-    if sock is None:
+    reply = _ask(path, words[0])
+    if reply is None:
         if as_json:
             print(json.dumps({"running": False, "socket": str(path)}))
         else:
             print(f"no build server is running (its socket would be {path})")
         return 0
-    with sock:
-        try:
-            send(sock, {"op": words[0]})
-            reply, _ = receive(sock)
-        except (OSError, ProtocolError) as err:
-            print(f"error: the build server did not answer: {err}", file=sys.stderr)
-            return 1
     if words == ["stop"]:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and connect_quietly(path):
@@ -63,5 +72,7 @@ def server_command(argv: list[str]) -> int:
     print(f"  socket  {reply['socket']}")
     for project in reply["projects"]:
         state = "running a command" if project["running"] else "idle"
-        print(f"  project {project['cwd']} (pid {project['pid']}, {project['commands']} commands, {state})")
+        print(
+            f"  project {project['cwd']} (pid {project['pid']}, {project['commands']} commands, {state})"
+        )
     return 0

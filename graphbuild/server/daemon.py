@@ -255,9 +255,21 @@ class Server:
                         importlib.import_module(name)
 
     def shutdown(self) -> None:
+        """Unlink the socket (no new client connects), serve those already connected (their
+        project processes finish them), then exit."""
         with contextlib.suppress(OSError):
             if self.path.stat().st_ino == self.inode:
                 self.path.unlink()
+        self.running = True  # so that a queued ``run`` is routed, not refused
+        self.listener.setblocking(False)
+        while True:
+            try:
+                ready = self.selector.select(timeout=0)
+            except OSError:
+                break
+            if not any(key.data is None for key, _ in ready):
+                break
+            self._accept()
         self.listener.close()
         for project in list(self.projects.values()):
             self._drop(project)

@@ -3,11 +3,11 @@
 A memo entry is the ``(model, samples, calibration)`` a config's factories returned, under a
 key of the factories' specs (model, samples, calibration), the config's directory and the
 working directory (a project process serves one ``sys.path``); with it, every file the build opened (recorded by an
-audit hook on ``open``, ``os.listdir`` and ``os.scandir``: a checkpoint, a tokenizer, a data
-file) and the project's own source files imported by then. An entry is valid while each of
+audit hook on ``open``: a checkpoint, a tokenizer, a data file) and the project's own source files imported by then. An entry is valid while each of
 those files has the contents it had (:func:`graphbuild.engine.sources.file_digest`: by
-(mtime, size), by contents when too recent to vouch for it) and each directory the same
-names. Installed libraries and the standard library are not recorded: a server restarts when
+(mtime, size), by contents when too recent to vouch for it). Directory listings are not
+recorded (the import system lists every directory on ``sys.path``): a file added to a
+folder the factory lists counts once the factory opens it. Installed libraries and the standard library are not recorded: a server restarts when
 they change. The model factory's code closure is within the project's sources, and an edited
 source restarts the project process (:mod:`~graphbuild.server.project`), which drops every
 entry built from the old code.
@@ -36,7 +36,7 @@ _hooked = False
 
 def _hook(event: str, args: tuple) -> None:
     reads = getattr(_state, "reads", None)
-    if reads is None or event not in ("open", "os.listdir", "os.scandir"):
+    if reads is None or event != "open":
         return
     path = args[0] if args else None
     if path is None or isinstance(path, int):
@@ -45,12 +45,12 @@ def _hook(event: str, args: tuple) -> None:
         text = os.fsdecode(os.fspath(path))
     except TypeError:
         return
-    reads.add(os.path.abspath(text) if event == "open" else os.path.abspath(text) + os.sep)
+    reads.add(os.path.abspath(text))
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[set[str]]:
-    """The paths this thread opens (``dir/`` for a listed directory) while in the block."""
+    """The paths this thread opens while in the block."""
     global _hooked
     if not _hooked:
         sys.addaudithook(_hook)
@@ -77,25 +77,17 @@ def _own(path: str) -> bool:
 
 
 def digest(path: str) -> str:
-    """The digest of a file's bytes, of a directory's names (``path`` ends with ``/``), or
-    ``missing``."""
+    """The digest of a file's bytes, or ``missing``."""
     from graphbuild.engine.sources import file_digest
-    from graphbuild.hashing import digest_bytes
 
     try:
-        if path.endswith(os.sep):
-            return "dir:" + digest_bytes("\0".join(sorted(os.listdir(path))).encode())
         return file_digest(path)
     except OSError:
         return "missing"
 
 
 def digests(paths: set[str] | list[str]) -> dict[str, str]:
-    keep = [
-        p
-        for p in sorted(paths)
-        if not p.startswith(_SKIP) and not _library(p.rstrip(os.sep) or os.sep)
-    ]
+    keep = [p for p in sorted(paths) if not p.startswith(_SKIP) and not _library(p)]
     return {p: digest(p) for p in keep}
 
 

@@ -3,6 +3,7 @@ file descriptors ride along with the first byte (``SCM_RIGHTS``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -61,7 +62,5 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
 def _close(fd: int) -> None:
     import os
 
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass

@@ -13,6 +13,7 @@ server.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -113,14 +114,10 @@ def run_request(
         print(f"error: graphbuild's build server failed: {err!r}", file=sys.stderr)
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass
-    try:
+    with contextlib.suppress(OSError):
         send(conn, {"exit": code})
-    except OSError:
-        pass
     os._exit(0)
 
 
@@ -160,7 +157,5 @@ def _note_imports(notes: int, born: frozenset[str]) -> None:
         if where and (memo._library(where) or memo._own(where)):
             names.append(name)
     if names:
-        try:
+        with contextlib.suppress(OSError):
             os.write(notes, (json.dumps({"imported": sorted(names)}) + "\n").encode())
-        except OSError:
-            pass

@@ -90,9 +90,8 @@ def watch(argv: list[str], use_server: bool) -> int:
                     served = subprocess.run(command, env=env).returncode
                 code = served
                 done += 1
-                with contextlib.suppress(OSError, ValueError):
-                    with open(report, encoding="utf-8") as f:
-                        files = json.load(f)["files"]
+                with contextlib.suppress(OSError, ValueError), open(report) as f:
+                    files = json.load(f)["files"]
                 files = {**files, **_config_files(argv)}
                 if runs is not None and done >= runs:
                     return code
