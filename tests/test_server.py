@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -229,3 +230,29 @@ def test_the_client_imports_nothing_heavy() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_watch_exports_again_after_the_model_file_changes(project: Project) -> None:
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "graphbuild", "export", "--watch", "--watch-runs", "2"],
+        cwd=project.root,
+        env=project.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = ""
+        while "watch: export 1 exited 0" not in line:
+            line = watcher.stderr.readline()
+            assert line, "the watcher stopped before its first export"
+        source = project.root / "net.py"
+        source.write_text(source.read_text().replace("torch.relu(", "torch.sigmoid("))
+        out, err = watcher.communicate(timeout=600)
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 0, err[-3000:]
+    assert "watch: net.py changed (source)" in err
+    # the first export ran every stage; the second traced again, the model's code changed
+    assert len(re.findall(r"^capture\s+ran", out, re.M)) == 2, out
+    assert project.builds() == 2
