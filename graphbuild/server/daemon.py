@@ -1,12 +1,13 @@
 """The build server: ``python -m graphbuild.server.daemon`` (the client starts it).
 
 It listens on its socket first, then imports what an export needs (torch, the engine, the
-targets, the command line), then serves: ``run`` requests go to the project process of their
-working directory and ``sys.path`` (forked from here on first use, at most
-:data:`MAX_PROJECTS` of them), ``status`` and ``stop`` are answered here. It exits when no
-command has run for ``GRAPHBUILD_SERVER_IDLE`` seconds, when asked to, and when graphbuild's
-own files or the installed libraries changed since it started (the command that finds that
-out is told to start a fresh server). One thread, so that forking is safe.
+targets registry, the command line; each command teaches it the rest: the modules a command
+imported, its project process imports after it and the server when idle), then serves:
+``run`` requests go to the project process of their working directory and ``sys.path``
+(forked from here on first use, at most :data:`MAX_PROJECTS` of them), ``status`` and
+``stop`` are answered here. It exits when no command has run for ``GRAPHBUILD_SERVER_IDLE``
+seconds, when asked to, and when graphbuild's own files or the installed libraries changed
+since it started (the command that finds that out is told to start a fresh server). One thread, so that forking is safe.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ PRELOAD = (
     "torchao",
     "graphbuild.api",
     "graphbuild.cli.app",
-    "graphbuild.targets.qnn.pipeline.build",
+    "graphbuild.targets.registry",
 )
 
 
@@ -91,6 +92,7 @@ class Server:
         self.threads = 1
         self.stamp: dict[str, tuple[int, int]] = {}
         self.running = True
+        self.to_import: set[str] = set()
 
     def preload(self) -> None:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -99,6 +101,10 @@ class Server:
             for name in PRELOAD:
                 with contextlib.suppress(Exception):
                     importlib.import_module(name)
+        with contextlib.suppress(Exception):
+            from graphbuild.server.request import cli_command
+
+            cli_command()
         torch = sys.modules.get("torch")
         if torch is not None:
             self.threads = torch.get_num_threads()
@@ -116,6 +122,9 @@ class Server:
                     self._from_project(key.data)
             self._reap_exited()
             busy = any(p.in_flight for p in self.projects.values())
+            if not events and not busy and self.to_import:  # idle: learn what commands import
+                self._import(sorted(self.to_import))
+                self.to_import.clear()
             if not busy and time.monotonic() - self.last_activity > self.idle:
                 print(f"idle for {self.idle:.0f} s: exiting", flush=True)
                 self.running = False
@@ -223,7 +232,7 @@ class Server:
         self.last_activity = time.monotonic()
         if message.get("op") == "done":
             project.in_flight = max(0, project.in_flight - 1)
-            self._import(message.get("imported", ()))
+            self.to_import.update(message.get("imported", ()))
         elif message.get("op") == "stale":  # its sources changed: a fresh one takes the request
             project.in_flight = max(0, project.in_flight - 1)
             self._drop(project)

@@ -30,6 +30,9 @@ from typing import Any
 __all__ = ["Entry", "MEMO", "build_recorded", "memo_key", "project_sources", "recording"]
 
 _SKIP = ("/dev/", "/proc/", "/sys/")
+#: the import system's bytecode caches: written by the first import, so never the same twice;
+#: the sources they come from count instead
+_BYTECODE = f"{os.sep}__pycache__{os.sep}"
 _state = threading.local()
 _hooked = False
 
@@ -87,7 +90,11 @@ def digest(path: str) -> str:
 
 
 def digests(paths: set[str] | list[str]) -> dict[str, str]:
-    keep = [p for p in sorted(paths) if not p.startswith(_SKIP) and not _library(p)]
+    keep = [
+        p
+        for p in sorted(paths)
+        if not p.startswith(_SKIP) and not _library(p) and _BYTECODE not in p
+    ]
     return {p: digest(p) for p in keep}
 
 

@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 from graphbuild.server import memo
 from graphbuild.server.protocol import ProtocolError, receive, send
 from graphbuild.server.request import REBUILD, run_request
+from graphbuild.server.warm import recompute
 
 __all__ = ["run_project"]
 
@@ -47,13 +48,15 @@ def run_project(control: socket.socket, threads: int) -> NoReturn:
             send(control, {"op": "stale", "request": request}, fds)
             os._exit(0)
         imported: set[str] = set()
+        closures: list[list[Any]] = []
         try:
-            _serve(request, fds, control, threads, imported)
+            _serve(request, fds, control, threads, imported, closures)
         finally:
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         _import(imported)
+        recompute(closures)  # the next request starts with the closures this one computed
         sources = memo.digests(list(memo.project_sources(born).values()))
         try:
             send(control, {"op": "done", "imported": sorted(imported)})
@@ -62,7 +65,12 @@ def run_project(control: socket.socket, threads: int) -> NoReturn:
 
 
 def _serve(
-    request: dict[str, Any], fds: list[int], control: socket.socket, threads: int, imported: set
+    request: dict[str, Any],
+    fds: list[int],
+    control: socket.socket,
+    threads: int,
+    imported: set,
+    closures: list,
 ) -> None:
     for attempt in (1, 2):
         read_end, write_end = os.pipe()
@@ -78,6 +86,7 @@ def _serve(
         code = os.waitstatus_to_exitcode(status)
         for note in notes:
             imported.update(note.get("imported", ()))
+            closures.extend(note.get("closures", ()))
         build = next((n["build"] for n in notes if "build" in n), None)
         if code == REBUILD and build is not None and attempt == 1:
             _build(pickle.loads(base64.b64decode(build)), request, fds)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import io
 import json
 import os
@@ -25,8 +26,9 @@ from typing import Any, NoReturn
 
 from graphbuild.server import memo
 from graphbuild.server.protocol import send
+from graphbuild.server.warm import computed
 
-__all__ = ["REBUILD", "install_loader", "run_request"]
+__all__ = ["REBUILD", "cli_command", "install_loader", "run_request"]
 
 #: The exit status of a request process that asks its project process to build the model.
 REBUILD = 75
@@ -110,6 +112,7 @@ def run_request(
         install_loader(handoff)
         code = _run_cli()
         _note_imports(notes, born)
+        _note(notes, {"closures": computed()})
     except BaseException as err:  # a failure of the server itself: say so, exit 1
         print(f"error: graphbuild's build server failed: {err!r}", file=sys.stderr)
     finally:
@@ -121,11 +124,24 @@ def run_request(
     os._exit(0)
 
 
-def _run_cli() -> int:
-    from graphbuild.cli.app import main
+@functools.cache
+def cli_command() -> Any:
+    """The command line's Click command, made once (the server makes it before forking:
+    Typer reads every command's signature and type hints to make it)."""
+    import typer.main
 
+    from graphbuild.cli.app import app
+
+    return typer.main.get_command(app)
+
+
+def _run_cli() -> int:
+    """What ``graphbuild.cli.main`` does, with the command made once."""
+    from graphbuild.cli.app import quiet_libraries
+
+    quiet_libraries()
     try:
-        main()
+        cli_command().main(args=sys.argv[1:], prog_name="graphbuild")
     except SystemExit as done:
         if done.code is None:
             return 0
@@ -157,5 +173,9 @@ def _note_imports(notes: int, born: frozenset[str]) -> None:
         if where and (memo._library(where) or memo._own(where)):
             names.append(name)
     if names:
-        with contextlib.suppress(OSError):
-            os.write(notes, (json.dumps({"imported": sorted(names)}) + "\n").encode())
+        _note(notes, {"imported": sorted(names)})
+
+
+def _note(notes: int, note: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        os.write(notes, (json.dumps(note) + "\n").encode())
