@@ -180,6 +180,7 @@ def test_a_replaced_checkpoint_rebuilds_the_served_model_and_a_preset_change_doe
     assert _stages(replaced)["capture"] == "hit"  # weights only: no trace
 
 
+@pytest.mark.slow
 def test_a_build_that_crashes_leaves_the_server_running(project: Project) -> None:
     crashed = project.run("export", CRASH_FACTORY="1")
     assert crashed.returncode == 1
@@ -192,7 +193,7 @@ def test_a_build_that_crashes_leaves_the_server_running(project: Project) -> Non
 
 
 def test_an_idle_server_exits(project: Project) -> None:
-    started = project.run("export", GRAPHBUILD_SERVER_IDLE="1")
+    started = project.run("graph", GRAPHBUILD_SERVER_IDLE="1")
     assert started.returncode == 0, started.stderr[-3000:]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and project.status()["running"]:
@@ -203,14 +204,15 @@ def test_an_idle_server_exits(project: Project) -> None:
 
 def test_without_a_server_the_command_runs_in_process(project: Project) -> None:
     os.chmod(project.server_dir, 0o777)  # a directory others may write to is refused
-    proc = project.run("export")
+    proc = project.run("graph")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "warning: no build server" in proc.stderr
-    assert (project.root / "out" / "net.onnx").is_file()
+    assert "qparams" in proc.stdout
     os.chmod(project.server_dir, 0o700)
 
-    proc = project.run("--no-server", "export", "--json")
+    proc = project.run("--no-server", "graph")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "qparams" in proc.stdout and not proc.stderr
     assert not project.status()["running"]
 
 
@@ -232,6 +234,7 @@ def test_the_client_imports_nothing_heavy() -> None:
     assert proc.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_watch_exports_again_after_the_model_file_changes(project: Project) -> None:
     watcher = subprocess.Popen(
         [sys.executable, "-m", "graphbuild", "export", "--watch", "--watch-runs", "2"],

@@ -23,6 +23,8 @@ The design is the client/server split of Bazel, Gradle's daemon, sccache and dmy
   project process, which builds it (recording every file the factory opens) and forks the
   request again. A memoized model is valid while the files the build read have the same
   contents; an edited module of the project restarts the project process.
+* :mod:`~graphbuild.server.warm` hands the code closures a request computed back to its
+  project process, and :mod:`~graphbuild.server.watch` is ``export --watch``.
 
 The Python API is untouched: only the command line goes through the server.
 """

@@ -115,7 +115,7 @@ def run_served(argv: list[str], env: dict[str, str] | None = None) -> int | None
 
 def _follow(sock: socket.socket) -> Any:
     """Read the server's messages until the command ends: its exit code, or ``restart``."""
-    pid, code, interrupted = None, None, False
+    pid, interrupted = None, False
     while True:
         try:
             message, _ = receive(sock)
@@ -127,24 +127,22 @@ def _follow(sock: socket.socket) -> Any:
                 os.kill(pid, signal.SIGINT)
             continue
         except (ProtocolError, OSError):
-            if pid is None and code is None:
+            if pid is None:
                 return "restart"  # it exited (idle) before taking the command: a fresh one will
-            if code is None:
-                print(
-                    "error: the build server lost this command (its process died); "
-                    "rerun it, or run it with --no-server",
-                    file=sys.stderr,
-                )
-                return 1
-            return code
+            print(
+                "error: the build server lost this command (its process died); "
+                "rerun it, or run it with --no-server",
+                file=sys.stderr,
+            )
+            return 1
         if "restart" in message:
             return "restart"
         if "pid" in message:
             pid = message["pid"]
         if "error" in message:
             print(f"error: {message['error']}", file=sys.stderr)
-        if "exit" in message:
-            code = int(message["exit"])
+        if "exit" in message:  # its output is written and flushed by then
+            return int(message["exit"])
 
 
 def _wait_gone(path: Path, timeout: float = 10.0) -> None:

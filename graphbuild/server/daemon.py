@@ -7,7 +7,8 @@ imported, its project process imports after it and the server when idle), then s
 (forked from here on first use, at most :data:`MAX_PROJECTS` of them), ``status`` and
 ``stop`` are answered here. It exits when no command has run for ``GRAPHBUILD_SERVER_IDLE``
 seconds, when asked to, and when graphbuild's own files or the installed libraries changed
-since it started (the command that finds that out is told to start a fresh server). One thread, so that forking is safe.
+since it started (the command that finds that out is told to start a fresh server). It runs
+one thread, so that forking is safe.
 """
 
 from __future__ import annotations
