@@ -90,6 +90,7 @@ def run_request(
     (a JSON line per note: ``build``, ``imported``)."""
     conn = socket.socket(fileno=fds[0])
     code = 1
+    born: frozenset[str] = frozenset(sys.modules)
     try:
         send(conn, {"pid": os.getpid()})
         _stdio(fds[1:], request.get("encoding") or "utf-8")
@@ -97,7 +98,6 @@ def run_request(
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = ["graphbuild", *request["argv"]]
-        born = frozenset(sys.modules)
         _threads(threads)
         warnings.resetwarnings()
 
@@ -111,8 +111,6 @@ def run_request(
 
         install_loader(handoff)
         code = _run_cli()
-        _note_imports(notes, born)
-        _note(notes, {"closures": computed()})
     except BaseException as err:  # a failure of the server itself: say so, exit 1
         print(f"error: graphbuild's build server failed: {err!r}", file=sys.stderr)
     finally:
@@ -121,6 +119,14 @@ def run_request(
                 stream.flush()
     with contextlib.suppress(OSError):
         send(conn, {"exit": code})
+        conn.close()  # the client is done; what follows is for the next command
+    with contextlib.suppress(OSError):  # its pipes see EOF now, not after the notes
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+    with contextlib.suppress(Exception):
+        _note_imports(notes, born)
+        _note(notes, {"closures": computed()})
     os._exit(0)
 
 
