@@ -157,6 +157,9 @@ def test_a_served_export_streams_its_output_and_exits_with_its_code(project: Pro
     bad = project.run("export", "--format", "onnnx")
     assert bad.returncode == 2
     assert "no format 'onnnx'" in bad.stderr
+    broken = project.run("export", "--model", "net.py:missing")  # fails in the model's build
+    assert broken.returncode == 2
+    assert "has no attribute 'missing'" in broken.stderr and "Traceback" not in broken.stderr
     assert project.status()["pid"] == status["pid"]  # one server answered all three
 
 

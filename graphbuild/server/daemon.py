@@ -143,8 +143,9 @@ class Server:
             conn.settimeout(10)
             request, fds = receive(conn)
             conn.settimeout(None)
-            self.last_activity = time.monotonic()
             op = request.get("op")
+            if op == "run":  # idle means no command: asking for the status is not one
+                self.last_activity = time.monotonic()
             if op == "status":
                 send(conn, self.status())
             elif op == "stop":
