@@ -57,11 +57,24 @@ def run_project(control: socket.socket, threads: int) -> NoReturn:
                     os.close(fd)
         _import(imported)
         recompute(closures)  # the next request starts with the closures this one computed
-        sources = memo.digests(list(memo.project_sources(born).values()))
+        _remember_sources(sources, born)
         try:
             send(control, {"op": "done", "imported": sorted(imported)})
         except OSError:
             os._exit(0)
+
+
+def _remember_sources(sources: dict[str, str], born: frozenset[str]) -> None:
+    """Add the digests of the project's modules this process imported since: as the model's
+    build found them where it recorded them (right after the build), else as they are now.
+    A digest once taken is kept, so an edit made while a command ran still makes the next
+    one find this process stale."""
+    for entry in memo.MEMO.values():
+        for path, digest in entry.sources.items():
+            sources.setdefault(path, digest)
+    fresh = [p for p in memo.project_sources(born).values() if p not in sources]
+    for path, digest in memo.digests(fresh).items():
+        sources.setdefault(path, digest)
 
 
 def _serve(
