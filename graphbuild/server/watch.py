@@ -76,13 +76,15 @@ def watch(argv: list[str], use_server: bool) -> int:
 
     argv, runs = _options(argv)
     done, code = 0, 0
-    files: dict[str, str] = {}
+    files: dict[str, str] = _config_files(argv)
     with tempfile.TemporaryDirectory(prefix="graphbuild-watch-") as tmp:
         report = os.path.join(tmp, "watch.json")
         try:
             while True:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(report)
+                # stamps from before the export: a file edited while it runs counts as changed
+                started = {p: _stamp(p) for p in files}
                 env = {**os.environ, "GRAPHBUILD_WATCH_REPORT": report}
                 served = run_served(argv, env) if use_server else None
                 if served is None:
@@ -95,13 +97,13 @@ def watch(argv: list[str], use_server: bool) -> int:
                 files = {**files, **_config_files(argv)}
                 if runs is not None and done >= runs:
                     return code
+                before = {p: started[p] if p in started else _stamp(p) for p in files}
                 print(
                     f"watch: export {done} exited {code}; watching {len(files)} files "
                     "(Ctrl-C to stop)",
                     file=sys.stderr,
                     flush=True,
                 )
-                before = {p: _stamp(p) for p in files}
                 while True:
                     time.sleep(POLL_SECONDS)
                     changed = [p for p in files if _stamp(p) != before[p]]
