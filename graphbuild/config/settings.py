@@ -48,9 +48,7 @@ _MODEL_KEYS = ("samples", "calibration", "model_name")
 #: Who runs :meth:`Config.load_model`: None builds the model each time; the build server
 #: (``graphbuild.server``) sets a loader that keeps built models between commands. It is
 #: called with the config and the function that builds (model, samples, calibration).
-model_loader: Callable[[Config, Callable[[], tuple[Any, Any, list[Any] | None]]], Any] | None = (
-    None
-)
+model_loader: Callable[[Config, Callable[[], tuple[Any, Any, list[Any] | None]]], Any] | None = None
 
 
 @dataclass(frozen=True)
