@@ -37,8 +37,15 @@ export run a second time in one process (target <= 0.3 s: a new process must not
 the last one worked out, such as parsing the source files code closures reach); with
 ``--compare DIR``, the other checkout's too. ``--warm-only`` measures these alone.
 
+And, with ``--server``, the same commands with and without the build server
+(``graphbuild.server``), for the ConvNet and the tiny transformers Llama, one run each: a
+cold export (for the server: starting it), a settling export, then the timed ones: a warm
+export (every stage a hit; target <= 1.0 s of wall time with the server) and a preset change
+``w8a16`` -> ``w8a8`` (values rerun; target <= its own stage time + 0.5 s with the server).
+The machine's load is printed beside them.
+
     python bench/bench_cli.py [--repeat 5] [--json] [--profile] [--startup-only]
-        [--warm-only] [--compare DIR]
+        [--warm-only] [--compare DIR] [--server]
 """
 
 from __future__ import annotations
@@ -227,6 +234,83 @@ def print_startup(times: dict[str, dict[str, float]], compare: Path | None) -> N
     print(f"start python -c pass                 {times['python']['pass']:7.3f} s")
 
 
+SERVER_WARM_TARGET = 1.0
+SERVER_PRESET_MARGIN = 0.5
+SERVER_MODELS = {"convnet": MODEL_FILE, "tiny_llama": ROOT / "examples" / "tiny_llama.py"}
+
+
+def _export(env: dict[str, str], where: Path, *extra: str) -> tuple[float, dict[str, Any]]:
+    cmd = [sys.executable, "-m", "graphbuild", "export", "--json", *extra]
+    seconds, out = _timed(cmd, env, where)
+    return seconds, json.loads(out)
+
+
+def server_times(tmp: Path) -> dict[str, Any]:
+    """Per model, with the server (``GRAPHBUILD_SERVER=1``, a server directory of its own)
+    and without (``GRAPHBUILD_SERVER=0``): wall and stage seconds of a warm export and of a
+    preset change, one run each, after a cold export and a settling one."""
+    out: dict[str, Any] = {}
+    server_dir = Path(tempfile.mkdtemp(prefix="gbs-bench-", dir="/tmp"))  # a short socket path
+    for model, source in SERVER_MODELS.items():
+        out[model] = {}
+        for mode in ("in_process", "server"):
+            where = tmp / f"server-{model}-{mode}"
+            where.mkdir()
+            (where / "graphbuild.toml").write_text(
+                CONFIG.format(model=source, out=where / "out").replace(
+                    'model_name = "convnet"', f'model_name = "{model}"'
+                )
+            )
+            env = {
+                **_env(where / "cache"),
+                "GRAPHBUILD_SERVER": "1" if mode == "server" else "0",
+                "GRAPHBUILD_SERVER_DIR": str(server_dir),
+            }
+            cold, _ = _export(env, where)
+            _export(env, where)  # settles: the server imports what the first command did
+            warm, warm_doc = _export(env, where)
+            preset, preset_doc = _export(env, where, "--set", "quantization.preset=w8a8")
+            out[model][mode] = {
+                "cold_seconds": cold,
+                "warm_seconds": warm,
+                "warm_stage_seconds": warm_doc["seconds"],
+                "warm_all_hits": {s["status"] for s in warm_doc["stages"]} == {"hit"},
+                "preset_seconds": preset,
+                "preset_stage_seconds": preset_doc["seconds"],
+                "preset_ran": [s["name"] for s in preset_doc["stages"] if s["status"] == "ran"],
+                "loadavg": os.getloadavg(),
+            }
+        served = out[model]["server"]
+        served["warm_pass"] = served["warm_seconds"] <= SERVER_WARM_TARGET
+        served["preset_pass"] = (
+            served["preset_seconds"] <= served["preset_stage_seconds"] + SERVER_PRESET_MARGIN
+        )
+    subprocess.run(
+        [sys.executable, "-m", "graphbuild", "server", "stop"],
+        env={**os.environ, "GRAPHBUILD_SERVER_DIR": str(server_dir)},
+        capture_output=True,
+    )
+    return out
+
+
+def print_server(times: dict[str, Any]) -> None:
+    print("build server: wall time of one command (stage time in brackets), one run each")
+    for model, modes in times.items():
+        for mode, t in modes.items():
+            print(
+                f"  {model:<10} {mode:<10} cold {t['cold_seconds']:6.2f} s  "
+                f"warm {t['warm_seconds']:6.2f} s ({t['warm_stage_seconds']:.2f} s)  "
+                f"preset {t['preset_seconds']:6.2f} s ({t['preset_stage_seconds']:.2f} s)  "
+                f"load {t['loadavg'][0]:.2f}"
+            )
+        served = modes["server"]
+        print(
+            f"  {model:<10} warm <= {SERVER_WARM_TARGET} s: "
+            f"{'PASS' if served['warm_pass'] else 'MISS'}; preset <= stages + "
+            f"{SERVER_PRESET_MARGIN} s: {'PASS' if served['preset_pass'] else 'MISS'}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each (best is kept)")
@@ -243,6 +327,9 @@ def main() -> None:
         "--warm-only", action="store_true", help="graphbuild's own warm-process time alone"
     )
     parser.add_argument(
+        "--server", action="store_true", help="commands with and without the build server"
+    )
+    parser.add_argument(
         "--compare",
         type=Path,
         help="another checkout whose start-up and warm-process time are measured alongside",
@@ -254,6 +341,13 @@ def main() -> None:
         cache_dir, out_dir, work = tmp / "cache", tmp / "out", tmp / "work"
         work.mkdir()
         trees = {"this": ROOT} | ({"compare": args.compare.resolve()} if args.compare else {})
+        if args.server:
+            served = server_times(tmp)
+            if args.json:
+                print(json.dumps({"server": served}, indent=2))
+            else:
+                print_server(served)
+            return
         if args.warm_only:
             warm_own = warm_process_times(args.repeat, tmp, trees)
             load = os.getloadavg()

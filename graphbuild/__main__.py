@@ -1,6 +1,7 @@
-"""``python -m graphbuild``: the command line."""
+"""``python -m graphbuild``: the command line, through the build server when one is wanted
+(:mod:`graphbuild.server.client`)."""
 
-from graphbuild.cli.app import main
+from graphbuild.server.client import main
 
 if __name__ == "__main__":
     main()

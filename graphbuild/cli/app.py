@@ -23,7 +23,10 @@ __all__ = ["Progress", "app", "human_size", "main", "parse_age", "parse_size"]
 
 app = typer.Typer(
     name="graphbuild",
-    help="Incremental, content-addressed export of quantized PyTorch models.",
+    help="Incremental, content-addressed export of quantized PyTorch models.\n\n"
+    "export, status, explain and graph run on a build server that keeps torch and built "
+    "models warm: graphbuild server status|stop looks after it, and --no-server runs a "
+    "command in this process.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

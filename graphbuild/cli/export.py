@@ -127,8 +127,25 @@ def export(
         bool, typer.Option("--quiet", "-q", help="Only errors and the files written.")
     ] = False,
     sets: SetOpt = None,
+    watch: Annotated[
+        bool,
+        typer.Option(
+            "--watch",
+            help="Export again whenever the config, the model's sources or a file its factory "
+            "read changes, printing what changed (Ctrl-C stops).",
+        ),
+    ] = False,
+    watch_runs: Annotated[
+        int | None,
+        typer.Option("--watch-runs", metavar="N", help="With --watch: stop after N exports."),
+    ] = None,
 ) -> None:
     """Build the model named in graphbuild.toml (or --model) for a target and format."""
+    if watch or watch_runs is not None:  # the graphbuild command runs the loop (a server's client)
+        raise ConfigError(
+            "--watch is run by the graphbuild command (graphbuild export --watch, or "
+            "python -m graphbuild export --watch), not by the Typer application alone"
+        )
     cfg = load_cli_config(
         config,
         target=target,

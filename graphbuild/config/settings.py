@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,11 @@ _EXAMPLE = f"""\
 #: What belongs to the file's model: a model given on the command line (``--model``, or
 #: ``--set model=...``) drops these from the file unless they are given there too.
 _MODEL_KEYS = ("samples", "calibration", "model_name")
+
+#: Who runs :meth:`Config.load_model`: None builds the model each time; the build server
+#: (``graphbuild.server``) sets a loader that keeps built models between commands. It is
+#: called with the config and the function that builds (model, samples, calibration).
+model_loader: Callable[[Config, Callable[[], tuple[Any, Any, list[Any] | None]]], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,14 @@ class Config:
     # ----------------------------------------------------------------- imports
 
     def load_model(self) -> tuple[Any, Any, list[Any] | None]:
-        """Import and call the model factory: ``(model, sample_inputs, calibration)``."""
+        """Import and call the model factory: ``(model, sample_inputs, calibration)``
+        (through :data:`model_loader` when one is set)."""
+        if model_loader is not None:
+            return model_loader(self, self.build_model)
+        return self.build_model()
+
+    def build_model(self) -> tuple[Any, Any, list[Any] | None]:
+        """Call the model factory and the calibration factory, every time."""
         model, samples = self.load_model_and_samples()
         return model, samples, self.load_calibration()
 
