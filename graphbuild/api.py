@@ -55,6 +55,8 @@ class ExportRequest:
     force: Iterable[str] | bool = ()
     listeners: Iterable[Callable[[StageEvent], None]] = ()
     check_fingerprints: bool = False
+    jobs: int | None = None
+    memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.format is None:
@@ -193,6 +195,8 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
         run_id=request.run_id(),
         check=request.check_fingerprints,
         background_writes=True,  # the cache is written while the files are placed
+        jobs=request.jobs or 1,
+        memory=request.memory,
     )
     reports = pipeline.reports or {"numerics": "check_numerics"}
     for name, stage in reports.items():
@@ -255,13 +259,17 @@ def export(
     force: Iterable[str] | bool = (),
     listeners: Iterable[Callable[[StageEvent], None]] = (),
     check_fingerprints: bool = False,
+    jobs: int | None = None,
+    memory: int | None = None,
 ) -> ExportArtifacts:
     """Export ``model`` (traced on ``data``) to ``output_directory/model_name.*``.
 
     ``cache``: a Cache, a path, a shared cache URL (``redis://host:port/db``, layered behind
     the default directory), None for the default location, False for none.
     ``check_fingerprints`` recomputes every stage that hits and fails loudly when its output
-    differs from the cached one (graphbuild's own test of its cache keys)."""
+    differs from the cached one (graphbuild's own test of its cache keys). ``jobs``: stages
+    built at once (independent ones: an LLM's parts), within ``memory`` bytes of what they
+    declare they hold (docs/parallel-builds.md); None: one at a time."""
     return export_with_pipeline(
         ExportRequest(
             model=model,
@@ -278,6 +286,8 @@ def export(
             force=force,
             listeners=listeners,
             check_fingerprints=check_fingerprints,
+            jobs=jobs,
+            memory=memory,
         )
     )
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from graphbuild.engine.events import StageEvent
 from graphbuild.engine.parallel import workers
+from graphbuild.engine.pipeline import Cost
 
 __all__ = ["Admission", "default_jobs", "default_memory", "record_timeline", "run_concurrently"]
 
@@ -67,23 +68,26 @@ class Admission:
         self.jobs, self.memory = jobs, memory
         self.cores = self.bytes = 0
         self.peak_memory = self.peak_cores = 0
+        self.exclusive = False  # an exclusive stage runs
 
-    def fits(self, memory: int, cores: int, anything_running: bool) -> bool:
+    def fits(self, cost: Cost, anything_running: bool) -> bool:
         if not anything_running:
             return True  # a stage over the budget runs alone rather than never
-        if self.cores + cores > self.jobs:
+        if cost.exclusive or self.exclusive or self.cores + cost.cores > self.jobs:
             return False
-        return self.memory is None or self.bytes + memory <= self.memory
+        return self.memory is None or self.bytes + cost.memory <= self.memory
 
-    def take(self, memory: int, cores: int) -> None:
-        self.cores += cores
-        self.bytes += memory
+    def take(self, cost: Cost) -> None:
+        self.cores += cost.cores
+        self.bytes += cost.memory
+        self.exclusive = cost.exclusive
         self.peak_cores = max(self.peak_cores, self.cores)
         self.peak_memory = max(self.peak_memory, self.bytes)
 
-    def give_back(self, memory: int, cores: int) -> None:
-        self.cores -= cores
-        self.bytes -= memory
+    def give_back(self, cost: Cost) -> None:
+        self.cores -= cost.cores
+        self.bytes -= cost.memory
+        self.exclusive = self.exclusive and not cost.exclusive
 
 
 def run_concurrently(run: Any, jobs: int, memory: int | None) -> Admission:
@@ -138,10 +142,10 @@ def run_concurrently(run: Any, jobs: int, memory: int | None) -> Admission:
             if error is None:
                 for name in [n for n in names if all(d in settled for d in deps[n])]:
                     cost = costs[name]
-                    if not admission.fits(cost.memory, cost.cores, bool(running)):
+                    if not admission.fits(cost, bool(running)):
                         break
                     names.remove(name)
-                    admission.take(cost.memory, cost.cores)
+                    admission.take(cost)
                     task = contextvars.copy_context().run  # check mode is a context variable
                     running[pool.submit(task, settle, name)] = name
             if not running:
@@ -149,7 +153,7 @@ def run_concurrently(run: Any, jobs: int, memory: int | None) -> Admission:
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in done:
                 name = running.pop(future)
-                admission.give_back(costs[name].memory, costs[name].cores)
+                admission.give_back(costs[name])
                 settled.add(name)
                 if future.exception() is not None and error is None:
                     error = future.exception()

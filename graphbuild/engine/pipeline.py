@@ -57,11 +57,14 @@ class Stage:
 @dataclass(frozen=True)
 class Cost:
     """What one run of a stage holds while it runs, as the concurrent scheduler budgets it:
-    ``memory`` bytes (an estimate: the weights it reads and what it makes of them) and
-    ``cores`` (threads' worth of the ``jobs`` it takes)."""
+    ``memory`` bytes (an estimate: the weights it reads and what it makes of them),
+    ``cores`` (threads' worth of the ``jobs`` it takes) and ``exclusive``: nothing else runs
+    beside it (``torch.export`` swaps fake tensors into the model it traces while it runs, so
+    no other stage may read that model meanwhile)."""
 
     memory: int = 0
     cores: int = 1
+    exclusive: bool = False
 
 
 def _check_reads(name: str, reads: Iterable[str] | None) -> tuple[str, ...] | None:
@@ -158,7 +161,9 @@ class Pipeline:
         self.graph.add_node(name, stage=stage, index=next(self._order))
         return StageRef(self, name)
 
-    def declare_cost(self, name: StageRef | str, *, memory: int = 0, cores: int = 1) -> None:
+    def declare_cost(
+        self, name: StageRef | str, *, memory: int = 0, cores: int = 1, exclusive: bool = False
+    ) -> None:
         """Declare what stage ``name`` holds while it runs (:class:`Cost`): a build with
         ``jobs`` > 1 admits it only while the declared memory of the running stages fits the
         build's budget. Not part of any key."""
@@ -168,7 +173,7 @@ class Pipeline:
             raise PipelineError(
                 f"stage '{name}': memory >= 0 and cores >= 1, got {memory}, {cores}"
             )
-        self.graph.nodes[name]["cost"] = Cost(int(memory), int(cores))
+        self.graph.nodes[name]["cost"] = Cost(int(memory), int(cores), bool(exclusive))
 
     def cost(self, name: str) -> Cost:
         """What stage ``name`` declared it holds while it runs (nothing: 0 bytes, 1 core)."""

@@ -33,6 +33,7 @@ from graphbuild.targets.qnn.llm import bundle, htp_bundle, stages
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.bundle import CPU
 from graphbuild.targets.qnn.llm.check import check_generation, check_generation_htp
+from graphbuild.targets.qnn.llm.costs import declare_part_costs, part_bytes
 from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
 from graphbuild.targets.qnn.llm.include import include_part
 from graphbuild.targets.qnn.llm.plan import KINDS, make_plan
@@ -99,6 +100,9 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     )
     sub_request = _SubRequest(request.target, "onnx_qdq", request.model_name, sub_opts)
     products, coverages, graph_names, graphs_of = [], [], [], {}
+    lm = find_causal_lm(model)
+    held = {i: part_bytes(layout.part_module(lm, i)) for i in range(1, len(specs) + 1)}
+    p.declare_cost(generation, memory=part_bytes(model))
     for index in range(1, len(specs) + 1):
         state = p.register_stage(
             functools.partial(stages.part_state, index), f"p{index}.state", reads=("input.state",)
@@ -118,6 +122,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
             ).depends_on(plan)
             sub = build_qnn_pipeline(sub_request, "onnx_qdq")
             names = include_part(p, sub, index, kind, view, state, batches)
+            declare_part_costs(p, names, held[index])
             graph = p.register_stage(
                 functools.partial(stages.kv_graph, index, kind),
                 f"p{index}.{kind}.graph",

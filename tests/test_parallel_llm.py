@@ -1,0 +1,56 @@
+"""An LLM export's parts built at once (``jobs``): the files, lock and stage runs of a
+sequential export, byte for byte."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphbuild as gb
+from graphbuild.api import LOCK_FILE
+from graphbuild.engine.events import StageStatus
+from tests.llm_models import PROMPT, causal_lm
+
+pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
+
+GEOMETRY = dict(prompt_len=4, context_len=32, parts=4)
+
+
+def _export(model, out: Path, cache: Path, **kwargs):
+    return gb.export(
+        model,
+        (torch.tensor([PROMPT]),),
+        out,
+        "lm",
+        target="qnn",
+        format="llm",
+        options=GEOMETRY,
+        cache=cache,
+        **kwargs,
+    )
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow  # two cold exports of four parts: about 100 s on two cores
+def test_four_parts_with_two_jobs_give_the_sequential_files_lock_and_runs(tmp_path: Path) -> None:
+    model = causal_lm("llama", layers=4)
+    seq = _export(model, tmp_path / "seq", tmp_path / "cache-seq")
+    par = _export(model, tmp_path / "par", tmp_path / "cache-par", jobs=2)
+
+    seq_files, par_files = _files(tmp_path / "seq"), _files(tmp_path / "par")
+    assert sorted(par_files) == sorted(seq_files)
+    assert LOCK_FILE in par_files
+    for name, data in seq_files.items():
+        assert par_files[name] == data, f"{name} differs between -j 1 and -j 2"
+    ran = [s.name for s in seq.report.stages if s.status is StageStatus.RAN]
+    assert [s.name for s in par.report.stages if s.status is StageStatus.RAN] == ran
+    assert {f"p{i}.prompt.capture" for i in range(1, 5)} <= set(ran)
+    for a, b in zip(seq.report.stages, par.report.stages, strict=True):
+        assert (a.name, a.key, a.digest) == (b.name, b.key, b.digest)
+    parts = [e for e in par.report.timeline if e["stage"].endswith(".capture")]
+    assert len({e["worker"] for e in parts}) == 2  # the two threads each built parts
