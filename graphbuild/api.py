@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from graphbuild.engine.concurrent import build_resources
 from graphbuild.engine.events import RunReport, StageEvent
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.plan import plan
@@ -184,6 +185,7 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
     if request.verbose:
         listeners.append(_print_event)
     context = request.context()
+    jobs, memory = build_resources(request.jobs, request.memory, pipeline.parallel_safe)
     t0 = time.perf_counter()
     result = pipeline.run(
         request.model,
@@ -195,8 +197,8 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
         run_id=request.run_id(),
         check=request.check_fingerprints,
         background_writes=True,  # the cache is written while the files are placed
-        jobs=request.jobs or 1,
-        memory=request.memory,
+        jobs=jobs,
+        memory=memory,
     )
     reports = pipeline.reports or {"numerics": "check_numerics"}
     for name, stage in reports.items():
@@ -269,7 +271,8 @@ def export(
     ``check_fingerprints`` recomputes every stage that hits and fails loudly when its output
     differs from the cached one (graphbuild's own test of its cache keys). ``jobs``: stages
     built at once (independent ones: an LLM's parts), within ``memory`` bytes of what they
-    declare they hold (docs/parallel-builds.md); None: one at a time."""
+    declare they hold (None: one per core, most of the free memory; docs/parallel-builds.md),
+    for a pipeline whose stages may run at once (the llm format's); others run one at a time."""
     return export_with_pipeline(
         ExportRequest(
             model=model,

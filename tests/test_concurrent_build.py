@@ -165,3 +165,16 @@ def test_a_declared_cost_must_be_a_size_and_a_core_count():
     with pytest.raises(PipelineError, match="memory >= 0"):
         p.declare_cost("p1", memory=-1)
     assert p.cost("p1").memory == 0 and p.cost("p1").cores == 1
+
+
+def test_an_exclusive_stage_runs_with_nothing_beside_it(tmp_path):
+    p = _pipeline(memory=None)
+    p.declare_cost("p2", exclusive=True)
+
+    result, _ = _run(p, Cache(tmp_path / "c"), jobs=4)
+
+    timeline = {e["stage"]: (e["start"], e["end"]) for e in result.report.timeline}
+    start, end = timeline["p2"]
+    others = [s for s in ("p1", "p3", "p4") if timeline[s][0] < end and start < timeline[s][1]]
+    assert others == []
+    assert _overlapping(result.report.timeline, {"p1", "p3", "p4"}) >= 2

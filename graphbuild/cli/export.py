@@ -117,6 +117,17 @@ def export(
         ),
     ] = False,
     as_json: JsonOpt = False,
+    jobs: Annotated[
+        str | None,
+        typer.Option(
+            "--jobs",
+            "-j",
+            help="Stages built at once (an LLM's parts): a count or 'auto' (one per core; "
+            "default: [build] jobs). Formats that do not declare their stages safe to run at "
+            "once build one at a time.",
+            metavar="N",
+        ),
+    ] = None,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Only errors and the files written.")
     ] = False,
@@ -152,6 +163,7 @@ def export(
     request, pipeline = build_request(cfg, cache, listeners=[] if as_json else [progress])
     request.force = _forced(force, pipeline)
     request.check_fingerprints = check_fingerprints
+    request.jobs, request.memory = _jobs(jobs, cfg.build_jobs), cfg.build_memory
     quiet_stdout = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     t0 = time.perf_counter()
     try:
@@ -174,6 +186,7 @@ def export(
                 "seconds": report.seconds,
                 "seconds_saved": report.seconds_saved,
                 "stages": [stage_json(s) for s in report.stages],
+                "timeline": report.timeline,
                 "files": files,
                 "reports": json_safe(report.extra),
             }
@@ -188,6 +201,17 @@ def export(
         console.print(Text(f"  {line}"))
     for kind, shown in _file_lines(files):
         console.print(Text(f"  {kind:<10} {shown}"))
+
+
+def _jobs(given: str | None, configured: int | None) -> int | None:
+    """``-j`` (a count or ``auto``) over ``[build] jobs``; None: one per core."""
+    if given is None:
+        return configured
+    if given == "auto":
+        return None
+    if not given.isdigit() or int(given) < 1:
+        raise ConfigError(f"--jobs must be a positive count or 'auto', got {given!r}")
+    return int(given)
 
 
 def _file_lines(files: Mapping[str, str]) -> list[tuple[str, str]]:

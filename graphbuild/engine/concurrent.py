@@ -35,7 +35,15 @@ from graphbuild.engine.events import StageEvent
 from graphbuild.engine.parallel import workers
 from graphbuild.engine.pipeline import Cost
 
-__all__ = ["Admission", "default_jobs", "default_memory", "record_timeline", "run_concurrently"]
+__all__ = [
+    "Admission",
+    "build_resources",
+    "default_jobs",
+    "default_memory",
+    "parse_memory",
+    "record_timeline",
+    "run_concurrently",
+]
 
 #: Share of the memory available when a build starts that its stages may declare at once.
 MEMORY_SHARE = 0.8
@@ -52,6 +60,42 @@ def default_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_memory(value: int | str | None) -> int | None:
+    """A memory budget in bytes from ``value``: bytes, ``"512MiB"``, ``"8GB"``, ``"2g"`` (binary
+    units), or ``"auto"`` / None (None: the caller's default). ValueError for anything else."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    text = str(value).strip().lower().removesuffix("ib").removesuffix("b") + ""
+    number, unit = text.rstrip("kmgt"), text[len(text.rstrip("kmgt")) :]
+    try:
+        size = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"not a memory size: {value!r} (bytes, or e.g. '512MiB', '8GiB')"
+        ) from None
+    if size <= 0 or isinstance(value, bool):
+        raise ValueError(f"not a memory size: {value!r} (bytes, or e.g. '512MiB', '8GiB')")
+    return int(size)
+
+
+def build_resources(
+    jobs: int | None, memory: int | None, parallel_safe: bool
+) -> tuple[int, int | None]:
+    """The ``jobs`` and ``memory`` budget a build runs with: as asked (None: one per core and
+    :func:`default_memory`) for a pipeline that declares its stages safe to run at once
+    (``Pipeline.parallel_safe``: each declared what it holds, and those that must run alone
+    say so); one at a time for any other."""
+    if not parallel_safe:
+        return 1, None
+    jobs = default_jobs() if jobs is None else max(1, jobs)
+    return jobs, (default_memory() if memory is None and jobs > 1 else memory)
 
 
 def default_jobs() -> int:

@@ -135,6 +135,10 @@ class Pipeline:
         #: report name -> stage whose output an export puts in ``RunReport.extra`` under that
         #: name (numerics, delegation summaries: what a user reads besides the files)
         self.reports: dict[str, str] = {}
+        #: its stages may run at once (``jobs`` > 1): each declared what it holds and those
+        #: that must run alone said so (:meth:`declare_cost`); a build of any other pipeline
+        #: runs its stages one at a time whatever ``jobs`` it is given
+        self.parallel_safe = False
 
     # ----------------------------------------------------------------- building
 
