@@ -158,6 +158,7 @@ def test_a_warm_run_with_jobs_is_all_hits(tmp_path):
 
     assert result.report.ran == []
     assert len(result.report.hits) == 6
+    assert result.outputs["p3"] == Box("source 1 / part 3")  # loaded after the run
 
 
 def test_a_declared_cost_must_be_a_size_and_a_core_count():

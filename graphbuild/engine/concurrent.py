@@ -159,6 +159,7 @@ def run_concurrently(run: Any, jobs: int, memory: int | None) -> Admission:
         finally:
             lock.release()
 
+    sequential = run.unlocked, run.stage_lock  # once the run is over: outputs load as usual
     run.unlocked, run.stage_lock = unlocked, stage_lock
     listeners = list(run.listeners)
     run.listeners = [_with_worker(listener) for listener in listeners]
@@ -204,6 +205,7 @@ def run_concurrently(run: Any, jobs: int, memory: int | None) -> Admission:
     finally:
         pool.shutdown(wait=True)
         run.listeners = listeners
+        run.unlocked, run.stage_lock = sequential
         run.timeline.sort(key=lambda entry: (entry["start"], entry["stage"]))
     if error is not None:
         raise error
