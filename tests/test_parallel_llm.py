@@ -10,7 +10,9 @@ import torch
 
 import graphbuild as gb
 from graphbuild.api import LOCK_FILE
+from graphbuild.engine.codecs import encode, roundtrip
 from graphbuild.engine.events import StageStatus
+from graphbuild.targets.qnn.llm.stages import coverage_summary
 from tests.llm_models import PROMPT, causal_lm
 
 pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
@@ -54,3 +56,22 @@ def test_four_parts_with_two_jobs_give_the_sequential_files_lock_and_runs(tmp_pa
         assert (a.name, a.key, a.digest) == (b.name, b.key, b.digest)
     parts = [e for e in par.report.timeline if e["stage"].endswith(".capture")]
     assert len({e["worker"] for e in parts}) == 2  # the two threads each built parts
+
+
+def test_the_coverage_summary_reads_alike_from_reports_built_here_or_read_from_the_cache():
+    """The part graphs' coverage reports reach ``coverage`` fresh (built in this process) or
+    decoded from the cache (a worker built them), where a dict's keys come back sorted."""
+    fresh = {
+        "expected": 2,
+        "quantized": 1,
+        "summary": "1/2 tensors",
+        "float": [{"tensor": "add_1", "op": "Add", "reason": "the model has no quantizer here"}],
+    }
+    stored = roundtrip(fresh)
+    assert list(stored["float"][0]) != list(fresh["float"][0])  # the cache's order
+
+    def summary(report):
+        return coverage_summary(("g",), (report,), None, None)
+
+    assert summary(stored) == summary(fresh)
+    assert encode(summary(stored)).digest == encode(summary(fresh)).digest
