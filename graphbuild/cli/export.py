@@ -7,6 +7,7 @@ import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -28,6 +29,7 @@ from graphbuild.cli.options import (
     SetOpt,
     TargetOpt,
     build_request,
+    cli_overrides,
     load_cli_config,
     open_cache,
 )
@@ -128,6 +130,20 @@ def export(
             metavar="N",
         ),
     ] = None,
+    executor: Annotated[
+        str,
+        typer.Option(
+            "--executor",
+            help="local (threads, -j) or ray: the stages as Ray tasks on a cluster that shares "
+            "the cache (the ray extra; --cache-url for a shared Redis).",
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address", help="The Ray cluster (host:port, or auto); none: a local one."
+        ),
+    ] = None,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Only errors and the files written.")
     ] = False,
@@ -168,7 +184,14 @@ def export(
     t0 = time.perf_counter()
     try:
         with quiet_stdout, progress:
-            artifacts = export_with_pipeline(request)
+            if executor == "ray":
+                flags = dict(target=target, format=format, model=model, name=name, sets=sets)
+                overrides = cli_overrides(Path.cwd(), output_dir=output_dir, **flags)
+                artifacts = _on_cluster(cfg, cache, cache_url, ray_address, progress, overrides)
+            elif executor != "local":
+                raise ConfigError(f"--executor must be local or ray, got {executor!r}")
+            else:
+                artifacts = export_with_pipeline(request)
     except StageError as err:
         report = getattr(err, "report", None)
         if report is not None and not as_json and not quiet:
@@ -201,6 +224,27 @@ def export(
         console.print(Text(f"  {line}"))
     for kind, shown in _file_lines(files):
         console.print(Text(f"  {kind:<10} {shown}"))
+
+
+def _on_cluster(
+    cfg: Any, cache: Any, url: str | None, address: str | None, progress: Any, overrides: list
+) -> Any:
+    """The export's stages as Ray tasks (:mod:`graphbuild.sweeps.cluster`), then placed here."""
+    from graphbuild.cli.options import resolve_cache_url
+    from graphbuild.sweeps.cluster import export_on_cluster
+
+    if cache is None:
+        raise ConfigError("--executor ray hands artifacts over through the cache: drop --no-cache")
+    done = export_on_cluster(
+        cfg.source,
+        Path.cwd(),
+        overrides,
+        cache,
+        cache_url=resolve_cache_url(url, cfg),
+        ray_address=address,
+        listeners=[progress],
+    )
+    return done.artifacts
 
 
 def _jobs(given: str | None, configured: int | None) -> int | None:
