@@ -93,11 +93,13 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--ray", action="store_true", help="also on a local 2-node Ray cluster")
+    parser.add_argument("--no-sequential", action="store_true", help="skip the -j 1 case")
     parser.add_argument("--save", default=None, help="write the JSON document here too")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="graphbuild-bench-parallel-"))
     config = _project(tmp / "project", args.layers, args.parts, args.prompt, args.context)
-    cases = [_case("sequential", config, tmp, "-j", "1"), _case("j2", config, tmp, "-j", "2")]
+    cases = [_case("sequential", config, tmp, "-j", "1")] if not args.no_sequential else []
+    cases.append(_case("j2", config, tmp, "-j", "2"))
     if args.ray:
         from tests.ray_cluster import RayCluster
         from tests.redis_server import RedisServer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphbuild as gb
-from graphbuild.api import LOCK_FILE
+from graphbuild.api import LOCK_FILE, ExportRequest, build_pipeline
 from graphbuild.engine.codecs import encode, roundtrip
 from graphbuild.engine.events import StageStatus
 from graphbuild.targets.qnn.llm.stages import coverage_summary
@@ -75,3 +75,24 @@ def test_the_coverage_summary_reads_alike_from_reports_built_here_or_read_from_t
 
     assert summary(stored) == summary(fresh)
     assert encode(summary(stored)).digest == encode(summary(fresh)).digest
+
+
+@pytest.mark.slow  # a cold export of four parts: about a minute on two cores
+def test_a_budget_of_one_part_never_runs_two_parts_weights_at_once(tmp_path: Path) -> None:
+    model = causal_lm("llama", layers=4)
+    data = (torch.tensor([PROMPT]),)
+    request = ExportRequest(
+        model, data, tmp_path / "out", "lm", target="qnn", format="llm", options=GEOMETRY
+    )
+    pipeline = build_pipeline(request)
+    costs = {name: pipeline.cost(name).memory for name in pipeline.order()}
+    budget = max(m for name, m in costs.items() if name.startswith("p"))  # the largest part
+    assert sum(1 for m in costs.values() if m) > 4 * 2  # every part graph's stages declare
+
+    artifacts = _export(model, tmp_path / "out", tmp_path / "cache", jobs=4, memory=budget)
+
+    spans = [(e["start"], e["end"], costs[e["stage"]]) for e in artifacts.report.timeline]
+    for start, _, _ in spans:  # the declared memory running at each stage's start
+        held = sum(m for s, e, m in spans if s <= start < e)
+        assert held <= budget or sum(1 for s, e, m in spans if s <= start < e and m) == 1
+    assert max(sum(1 for s, e, _ in spans if s <= t < e) for t, _, _ in spans) > 1  # not serial

@@ -5,7 +5,10 @@ Ready stages are admitted in the sequential order while they fit: ``jobs`` threa
 that declares ``cores`` takes that many), and ``memory`` bytes of the estimates stages declare
 (:meth:`~graphbuild.engine.pipeline.Pipeline.declare_cost`). A stage that does not fit waits,
 and the stages after it wait behind it (no overtaking: the admitted order is the sequential
-one), unless nothing runs: a stage larger than the budget runs alone.
+one), unless nothing runs: a stage larger than the budget runs alone. A ready stage that must
+run alone (``exclusive``) goes before the others: nothing new starts until the running stages
+end, then it runs, so such stages (an LLM's part captures, ready early) run back to back and
+do not stall the stages after them one by one.
 
 Threads, not processes: the heavy work of a stage is torch kernels and hashing, which release
 the GIL, or a child process (HTP context preparation). Every stage settles through the same
@@ -185,7 +188,9 @@ def run_concurrently(run: Any, jobs: int, memory: int | None) -> Admission:
     try:
         while names or running:
             if error is None:
-                for name in [n for n in names if all(d in settled for d in deps[n])]:
+                ready = [n for n in names if all(d in settled for d in deps[n])]
+                alone = [n for n in ready if costs[n].exclusive]
+                for name in alone[:1] or ready:  # one that runs alone goes first, once drained
                     cost = costs[name]
                     if not admission.fits(cost, bool(running)):
                         break
