@@ -2,9 +2,12 @@
 
 A part graph's stages each declare the bytes of the part's own weights as they are held in
 memory (what they read and what they make of them: the captured program, the bound graph),
-so a memory budget admits as many parts at once as fit. ``capture`` runs alone: it traces the
-part module with ``torch.export``, which swaps fake tensors into that module (and the layers it
-shares with the causal LM) while it runs, so no other stage may read the model meanwhile.
+so a memory budget admits as many parts at once as fit. The stages that trace run alone:
+``capture`` traces the part module with ``torch.export``, which swaps fake tensors into that
+module (and the layers it shares with the causal LM) while it runs, so no other stage may read
+the model meanwhile; ``quantize`` and ``place_quantizers`` trace again, and ``to_onnx``'s
+decompositions register Python kernels process-wide (two at once fail: "Trying to override a
+python impl ... on operator aten::fft_ifft2").
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from typing import Any
 
 from graphbuild.engine.pipeline import Pipeline
 
-#: The part graph's stages that trace the model (sub-pipeline names).
-TRACING = frozenset({"capture"})
+#: The part graph's stages that trace (sub-pipeline names): torch.export and torch.onnx are
+#: not safe to run in two threads at once.
+TRACING = frozenset({"capture", "quantize", "place_quantizers", "to_onnx"})
 
 
 def part_bytes(module: Any) -> int:

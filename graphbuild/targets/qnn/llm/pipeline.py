@@ -160,7 +160,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
             layout, request.model_name, targets, genai=rope is not None
         )
     p.products = products
-    p.parallel_safe = True  # the parts' stages declared their costs; capture runs alone
+    p.parallel_safe = True  # the parts' stages declared their costs; the tracing ones run alone
     p.output_files = frozenset(files)
     return p
 
