@@ -25,7 +25,9 @@ def test_the_build_table_sets_jobs_and_a_memory_budget(tmp_path):
     cfg = _config(tmp_path, 'jobs = 3\nmemory = "2GiB"')
     assert (cfg.build_jobs, cfg.build_memory) == (3, 2 * 2**30)
     auto = _config(tmp_path, 'jobs = "auto"\nmemory = "auto"')
-    assert (auto.build_jobs, auto.build_memory) == (None, None)
+    assert (auto.build_jobs, auto.build_memory) == (0, None)
+    unset = _config(tmp_path, "")
+    assert (unset.build_jobs, unset.build_memory) == (None, None)
 
 
 @pytest.mark.parametrize(
@@ -44,7 +46,8 @@ def test_bad_build_keys_are_refused_naming_the_key(tmp_path, build, message):
 def test_only_a_pipeline_that_declares_its_stages_safe_runs_them_at_once():
     assert build_resources(4, None, parallel_safe=False) == (1, None)
     assert build_resources(4, 1000, parallel_safe=True) == (4, 1000)
-    jobs, memory = build_resources(None, None, parallel_safe=True)
+    assert build_resources(None, None, parallel_safe=True) == (1, None)  # the default
+    jobs, memory = build_resources(0, None, parallel_safe=True)  # auto
     assert jobs == default_jobs()
     assert memory is None if jobs == 1 else memory > 0
 

@@ -125,8 +125,8 @@ def export(
             "--jobs",
             "-j",
             help="Stages built at once (an LLM's parts): a count or 'auto' (one per core; "
-            "default: [build] jobs). Formats that do not declare their stages safe to run at "
-            "once build one at a time.",
+            "default: [build] jobs, else 1). Formats that do not declare their stages safe to "
+            "run at once build one at a time.",
             metavar="N",
         ),
     ] = None,
@@ -248,11 +248,12 @@ def _on_cluster(
 
 
 def _jobs(given: str | None, configured: int | None) -> int | None:
-    """``-j`` (a count or ``auto``) over ``[build] jobs``; None: one per core."""
+    """``-j`` (a count or ``auto``: 0, one per core) over ``[build] jobs``; None: one at a
+    time."""
     if given is None:
         return configured
     if given == "auto":
-        return None
+        return 0
     if not given.isdigit() or int(given) < 1:
         raise ConfigError(f"--jobs must be a positive count or 'auto', got {given!r}")
     return int(given)

@@ -69,7 +69,8 @@ class Config:
     cache_url: str | None = None
     cache_readonly: bool = False
     cache_lease_seconds: float | None = None
-    #: ``[build]``: stages at once and their memory budget in bytes (None: "auto")
+    #: ``[build]``: stages at once (None: unset, one at a time; 0: "auto", one per core) and
+    #: their memory budget in bytes (None: "auto")
     build_jobs: int | None = None
     build_memory: int | None = None
     preset: str | None = None
@@ -404,7 +405,7 @@ def _build(
         cache_url=cache.get("url") or None,
         cache_readonly=cache.get("readonly", False),
         cache_lease_seconds=cache.get("lease_seconds"),
-        build_jobs=None if build.get("jobs", "auto") == "auto" else build["jobs"],
+        build_jobs=0 if build.get("jobs") == "auto" else build.get("jobs"),
         build_memory=parse_memory(build.get("memory", "auto")),
         preset=quant.get("preset"),
         quantizer=quant.get("quantizer"),
