@@ -20,10 +20,10 @@ from graphbuild.version import __version__ as __version__
 
 if TYPE_CHECKING:
     from graphbuild.api import ExportArtifacts, ExportRequest, export, export_with_pipeline
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.engine.events import EventKind, RunReport, StageEvent
     from graphbuild.engine.pipeline import Pipeline, Stage, StageRef
     from graphbuild.engine.status import StageStatus
-    from graphbuild.engine.store import Cache
     from graphbuild.targets.executorch import ExecuTorchOptions
     from graphbuild.targets.qnn import QnnOnnxOptions
     from graphbuild.targets.registry import PipelineRegistry, build_default_registry
@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Cache": "engine.store",
+    "Cache": "engine.artifact_store",
     "Pipeline": "engine.pipeline",
     "Stage": "engine.pipeline",
     "StageRef": "engine.pipeline",

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.concurrent import build_resources
 from graphbuild.engine.events import RunReport, StageEvent
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.plan import plan
-from graphbuild.engine.store import Cache
 from graphbuild.errors import ArgumentTypeError, ConfigError, ExportError
 from graphbuild.output.directory import LOCK_FILE, check_output_directory
-from graphbuild.output.placement import Placement, json_safe, place_outputs
+from graphbuild.output.placement import FilePlacement, json_safe, place_outputs
 from graphbuild.targets.registry import (
     DEFAULT_TARGET,
     PipelineFactory,
@@ -72,16 +72,22 @@ class ExportRequest:
                 "separator; put the directory in output_directory"
             )
 
-    def check(self) -> None:
+    def check(self, *, own_pipeline: bool = False) -> None:
         """Refuse, before any stage runs, arguments of the wrong type: an
         :class:`ArgumentTypeError` naming the argument, not a bare ``TypeError`` from inside
-        a stage. The output directory and the cache are checked where they are opened."""
+        a stage. The output directory and the cache are checked where they are opened.
+        ``own_pipeline``: the caller brings the pipeline, which decides what the model and
+        data may be (as a ``pipeline_factory``'s does)."""
         if not isinstance(self.output_directory, (str, os.PathLike)):
             got = _kind(self.output_directory)
             raise ArgumentTypeError(
                 f"output_directory must be a path (str or os.PathLike), got {got}"
             )
-        builtin = self.pipeline_factory is None and find_target(self.target) is not None
+        builtin = (
+            not own_pipeline
+            and self.pipeline_factory is None
+            and find_target(self.target) is not None
+        )
         if builtin and not isinstance(self.model, torch.nn.Module):
             raise ArgumentTypeError(
                 f"the model must be a torch.nn.Module, got {_kind(self.model)}; pass the "
@@ -175,11 +181,43 @@ def build_pipeline(request: ExportRequest) -> Pipeline:
     return registry.get(request.target, request.format)(request)
 
 
-def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
-    """Build the export described by ``request`` and place its files."""
-    request.check()
+def export_with_pipeline(
+    request: ExportRequest, pipeline: Pipeline | None = None
+) -> ExportArtifacts:
+    """Build the export described by ``request`` with ``pipeline`` and place its files.
+
+    ``pipeline``: a :class:`~graphbuild.engine.pipeline.Pipeline` you built or edited (for
+    instance ``build_qnn_pipeline(request, fmt="onnx")`` with a stage inserted); its
+    ``products`` become the files. None: the pipeline of the request's ``pipeline_factory``,
+    else of its ``(target, format)``. Giving both a pipeline and a ``pipeline_factory`` is an
+    :class:`ArgumentTypeError`, as is an argument of the wrong type."""
+    if not isinstance(request, ExportRequest):
+        hint = (
+            "; the pipeline goes second: export_with_pipeline(request, pipeline)"
+            if isinstance(request, Pipeline)
+            else ""
+        )
+        raise ArgumentTypeError(
+            f"export_with_pipeline takes an ExportRequest first, got {_kind(request)}{hint}"
+        )
+    if pipeline is not None and not isinstance(pipeline, Pipeline):
+        hint = (
+            "; a function that builds a pipeline from the request goes in "
+            "ExportRequest(pipeline_factory=...)"
+            if callable(pipeline)
+            else ""
+        )
+        raise ArgumentTypeError(
+            f"pipeline must be a graphbuild Pipeline, got {_kind(pipeline)}{hint}"
+        )
+    if pipeline is not None and request.pipeline_factory is not None:
+        raise ArgumentTypeError(
+            "both a pipeline and the request's pipeline_factory were given: pass one"
+        )
+    request.check(own_pipeline=pipeline is not None)
     check_output_directory(Path(request.output_directory), request.model_name)
-    pipeline = build_pipeline(request)
+    if pipeline is None:
+        pipeline = build_pipeline(request)
     cache = resolve_cache(request.cache)
     listeners = list(request.listeners)
     if request.verbose:
@@ -200,8 +238,7 @@ def export_with_pipeline(request: ExportRequest) -> ExportArtifacts:
         jobs=jobs,
         memory=memory,
     )
-    reports = pipeline.reports or {"numerics": "check_numerics"}
-    for name, stage in reports.items():
+    for name, stage in pipeline.reports.items():  # what the pipeline declares
         if stage in result.outputs:
             result.report.extra[name] = result.outputs[stage]
     note = _model_outputs_note(request.model, result.outputs)
@@ -240,7 +277,7 @@ def _place(
     }
     if result.report.extra:
         header["reports"] = json_safe(dict(result.report.extra))
-    placement = Placement(out_dir, request.model_name, context.get("external_data"), header)
+    placement = FilePlacement(out_dir, request.model_name, context.get("external_data"), header)
     files, lock = place_outputs(pipeline, result, placement, cache)
     return files, lock, out_dir
 

@@ -25,8 +25,8 @@ def slow(inputs, samples, ctx):
 
 def main() -> None:
     *cache_args, log, go = sys.argv[1:]
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.engine.pipeline import Pipeline
-    from graphbuild.engine.store import Cache
 
     cache = Cache(cache_args[0], url=cache_args[1] if len(cache_args) > 1 else None)
     pipeline = Pipeline(name="lease")

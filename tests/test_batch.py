@@ -7,6 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.batch import (
     BatchStatus,
     Build,
@@ -17,7 +18,6 @@ from graphbuild.engine.batch import (
     run_job,
 )
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from tests.engine_helpers import CALLS, reset, stage, tiny_net
 
 

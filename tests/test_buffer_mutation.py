@@ -63,7 +63,9 @@ def build(model: nn.Module, tmp_path, split: bool | None = None) -> gb.ExportArt
         "m",
         options={"quantizer": "w8a16"},
         cache=tmp_path / "cache",
-        pipeline_factory=lambda request: build_qnn_pipeline(request, split=split),
+        pipeline_factory=lambda request: build_qnn_pipeline(
+            request, one_stage_oracle=split is False
+        ),
     )
 
 

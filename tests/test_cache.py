@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-import graphbuild.cache.store as store_module
+import graphbuild.cache.byte_store as store_module
 from graphbuild.cache import FileBlobs
 from graphbuild.cache.local.index import DiskIndex
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from graphbuild.hashing import digest_bytes
 from tests.engine_helpers import CALLS, reset, stage
 
@@ -251,7 +251,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from graphbuild.engine.store import Cache
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.pipeline import Pipeline
 
 
@@ -338,7 +338,7 @@ def test_four_processes_building_on_one_cache_at_once_agree(tmp_path):
 
 
 class Clock:
-    """Stands in for the ``time`` module of graphbuild.cache.store."""
+    """Stands in for the ``time`` module of graphbuild.cache.byte_store."""
 
     def __init__(self) -> None:
         self.now = time.time()

@@ -22,8 +22,8 @@ from torch import nn
 
 from graphbuild.cache import ActionIndex, BlobStore, CorruptBlob, Stores
 from graphbuild.cache.local import open_local
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from graphbuild.hashing import digest_bytes
 from tests.engine_helpers import CALLS, reset, stage
 from tests.redis_server import RedisServer

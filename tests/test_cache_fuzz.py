@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphbuild.engine.store import Cache
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.errors import GraphbuildError
 from graphbuild.hashing import digest_bytes
 from tests.test_cache_integrity import export, files_under, redigest

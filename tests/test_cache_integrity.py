@@ -28,9 +28,9 @@ from torch import nn
 
 import graphbuild as gb
 from graphbuild.cache import FileBlobs
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from graphbuild.errors import CacheError, ExportError
 from graphbuild.hashing import digest_bytes, digest_json
 from tests.engine_helpers import CALLS, reset, stage
@@ -381,7 +381,7 @@ os.environ["GRAPHBUILD_CACHE_DIR"] = sys.argv[1]
 sys.path.insert(0, sys.argv[3])
 import warnings
 warnings.simplefilter("error")  # a read-only cache is no cause for a warning
-from graphbuild.engine.store import Cache
+from graphbuild.engine.artifact_store import Cache
 from tests.test_cache_integrity import export
 from tests.engine_helpers import CALLS
 cache = Cache(sys.argv[1])
@@ -661,7 +661,7 @@ sys.path.insert(0, sys.argv[3])
 os.umask(0o002)
 warnings.simplefilter("error")  # a well set-up shared cache is no cause for a warning
 from pathlib import Path
-from graphbuild.engine.store import Cache
+from graphbuild.engine.artifact_store import Cache
 from tests.test_cache_integrity import export
 from tests.engine_helpers import CALLS
 cache = Cache(sys.argv[1])
@@ -833,7 +833,7 @@ OPENER = """
 import json, sys, time, warnings
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
-from graphbuild.engine.store import Cache
+from graphbuild.engine.artifact_store import Cache
 sync = Path(sys.argv[2])
 (sync / f"ready-{sys.argv[4]}").touch()
 while not (sync / "go").exists():

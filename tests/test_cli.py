@@ -494,7 +494,7 @@ def test_cache_prune_reports_in_human_sizes(cache_copy):
 
 
 def test_cache_gc_removes_unreferenced_blobs_only(cache_copy):
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.hashing import digest_bytes
 
     cache = Cache(cache_copy)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.codecs import FileArtifact, encode
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.scheduler import EventKind
-from graphbuild.engine.store import Cache
 from graphbuild.errors import CodecError, StageError
 from tests.engine_helpers import Recorder
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.events import EventKind
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from graphbuild.errors import PipelineError, StageError
 from tests.engine_helpers import DECODES, Box, Recorder, reset
 

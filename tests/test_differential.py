@@ -121,6 +121,7 @@ class State:
     helper: str = "relu"
     recognizer: bool = False
     stage: str = "none"
+    layer_overrides: tuple[tuple[str, str], ...] | None = None
 
 
 #: Every kind of change, and the values it draws from.
@@ -151,11 +152,13 @@ FORCED = [
     "left_float", "quant_sites",
 ]  # fmt: skip
 
-#: The changes a user tuning a preset export makes (the preset stays set): quantization is
-#: split into structure, statistics and values, and each of these reaches another part.
+#: The changes a user tuning a preset export makes (the preset stays set, LPBQ and per-layer
+#: overrides among them): quantization is split into structure, statistics and values, and
+#: each of these reaches another part.
 #: Min/max ranges throughout, so every step is also compared with the one-stage pipeline.
 PRESET_CHANGES: dict[str, list] = {
-    "preset": ["w8a8", "w8a16", "w4a16"],
+    "preset": ["w8a8", "w8a16", "w4a16", "w4a16_lpbq"],
+    "layer_overrides": [None, (("conv", "w4"),), (("fc", "float"),), (("conv", "a16"),)],
     "calibration": [1, 2, 3],
     "weight_seed": [0, 1, 2, 3],
     "format": ["onnx", "onnx_qdq"],
@@ -223,7 +226,7 @@ def factory_for(stage: str, split: bool | None = None):
     fn = clamp_a_copy if stage == "copy" else clamp_in_place
 
     def factory(request):
-        p = build_qnn_pipeline(request, split=split)
+        p = build_qnn_pipeline(request, one_stage_oracle=split is False)
         p.insert_stage_after("marker_graph", fn, "clamp", reads=())
         return p
 
@@ -232,7 +235,7 @@ def factory_for(stage: str, split: bool | None = None):
 
 def one_stage_pipeline(request):
     """The pipeline before quantization was split: PT2E quantize as one stage."""
-    return build_qnn_pipeline(request, split=False)
+    return build_qnn_pipeline(request, one_stage_oracle=True)
 
 
 class World:
@@ -294,6 +297,7 @@ class World:
             quantizer=s.preset,
             calibration=calibration(s.calibration) if s.preset else None,
             range_method=s.range_method,
+            layer_overrides=dict(s.layer_overrides) if s.layer_overrides else None,
         )
         factory = factory_for(s.stage)
         if one_stage:

@@ -13,6 +13,7 @@ import xxhash
 from torch import nn
 
 import graphbuild.engine.fingerprint.tensors as fp
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.fingerprint import (
     callable_version,
     state_digests,
@@ -20,7 +21,6 @@ from graphbuild.engine.fingerprint import (
     tensor_digest,
 )
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from graphbuild.errors import FingerprintError
 from tests.engine_helpers import CALLS, reset, stage, tiny_net
 

@@ -183,10 +183,10 @@ def test_what_qnn_prints_from_c_is_captured_and_kept_off_stdout(capfd):
     import ctypes
     import os
 
-    from graphbuild.targets.qnn.htp_runtime.capture import captured_output
+    from graphbuild.targets.qnn.htp_runtime.intercept import intercepted_output
 
     libc = ctypes.CDLL(None)
-    with captured_output() as got:
+    with intercepted_output() as got:
         libc.printf(b"printed from C\n")
         os.write(2, b"logged to stderr\n")
     out, err = capfd.readouterr()

@@ -20,10 +20,10 @@ import graphbuild as gb
 from examples import convnet, tiny_decoder
 from graphbuild.api import build_pipeline
 from graphbuild.engine import closure, source_memo, sources
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.codecs import decode, encode
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.plan import stage_inputs
-from graphbuild.engine.store import Cache
 from graphbuild.frontend.programs import ProgramArtifact
 
 try:

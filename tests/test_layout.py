@@ -4,8 +4,9 @@ Tiers, bottom to top: errors, compat, hashing (byte digests) and version; cache 
 manifests) and quant (the quant map and marker, the interface between front ends and
 formats); engine (the build engine: keys, codecs, the scheduler, the artifact-aware Cache);
 the torch.export front end (frontend) and the ONNX format (onnx), which know nothing of each
-other; targets and output placement; api and config; sweeps (many exports as one build); the
-command line; the package's top. A
+other; targets and output placement; api (the export request); config (a file that describes
+one, and the one function that turns it into a request); sweeps (many exports as one build);
+the command line; the package's top. A
 module imports its own part of graphbuild or a lower tier, never a peer of its own tier.
 """
 
@@ -36,11 +37,11 @@ TIERS = {
     "targets": 4,
     "output": 4,
     "api": 5,
-    "config": 5,
-    "sweeps": 6,
-    "cli": 7,
-    "__init__": 8,
-    "__main__": 8,
+    "config": 6,
+    "sweeps": 7,
+    "cli": 8,
+    "__init__": 9,
+    "__main__": 9,
 }
 
 #: Modules may be longer than this only when their docstring has a line starting with
@@ -231,6 +232,27 @@ def test_no_target_names_outside_the_targets_own_package() -> None:
                 ):
                     found.append(f"{rel}:{line}: {text!r}")
     assert not found, "target names outside their package:\n" + "\n".join(found)
+
+
+def test_no_target_flag_outside_the_targets_own_package() -> None:
+    """A target declares its ``graphbuild export`` flags (``Target.export_flags``): the
+    command line reads them from there and spells none (no ``--check-htp``, ``check_htp``)."""
+    from graphbuild.targets.registry import get_target
+
+    found = []
+    for target, homes in _TARGET_HOMES.items():
+        flags = get_target(target).export_flags
+        spelled = {f"--{f.name}" for f in flags} | {f.option for f in flags}
+        spelled |= {f.name for f in flags} | {f"options.{f.option}" for f in flags}
+        for path in sorted(PACKAGE.rglob("*.py")):
+            rel = path.relative_to(PACKAGE).as_posix()
+            if rel.startswith(homes):
+                continue
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for line, text in _code_strings_and_names(tree):
+                if any(word in text for word in spelled):
+                    found.append(f"{rel}:{line}: {text!r}")
+    assert not found, "target flags outside their target's package:\n" + "\n".join(found)
 
 
 # The QNN target's package: its modules in folders by concern, each short enough to read whole,

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from graphbuild.cache.leases import owner_pid
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.events import EventKind
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.plan import plan
 from graphbuild.engine.status import StageStatus
-from graphbuild.engine.store import Cache
 from tests.engine_helpers import CALLS, Recorder, reset, stage
 
 ROOT = Path(__file__).resolve().parents[1]

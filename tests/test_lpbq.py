@@ -206,6 +206,68 @@ def test_a_weights_only_change_rebinds_the_stored_lpbq_weight(tmp_path, cache):
     assert first.files["onnx"].read_bytes() != second.files["onnx"].read_bytes()
 
 
+def _oracle(request):
+    """PT2E prepare, calibrate and convert in one ``quantize`` stage, the LPBQ observer's own
+    arithmetic: what the preset's split must write, byte for byte."""
+    from graphbuild.targets.qnn import build_qnn_pipeline
+
+    return build_qnn_pipeline(request, one_stage_oracle=True)
+
+
+def _files(art: gb.ExportArtifacts) -> dict[str, bytes]:
+    return {k: v.read_bytes() for k, v in art.files.items() if k != "lock"}
+
+
+@pytest.mark.parametrize(
+    ("fmt", "overrides"),
+    [("onnx", None), ("onnx_qdq", None), ("onnx", {"fc1": "w8"}), ("onnx_qdq", {"fc2": "float"})],
+)
+def test_the_preset_quantizes_in_the_split_as_the_one_stage_oracle_does(tmp_path, fmt, overrides):
+    model = Mlp().eval()
+    art = preset_export(tmp_path / "split", False, fmt, model=model, layer_overrides=overrides)
+    golden = gb.export(
+        model,
+        (X,),
+        tmp_path / "one",
+        "m",
+        format=fmt,
+        options=gb.QnnOnnxOptions(
+            quantizer="w4a16_lpbq",
+            calibration=CALIBRATION,
+            check_numerics=True,
+            layer_overrides=overrides,
+        ),
+        cache=False,
+        pipeline_factory=_oracle,
+    )
+    assert "place_quantizers" in art.report.statuses and "quantize" not in art.report.statuses
+    assert "quantize" in golden.report.statuses
+    assert _files(art) == _files(golden)
+    assert art.report.extra["numerics"] == golden.report.extra["numerics"]
+
+
+def test_a_change_to_the_lpbq_preset_reads_the_weight_blocks_but_traces_and_calibrates_nothing(
+    tmp_path,
+):
+    cache = gb.Cache(tmp_path / "cache")
+    model = Mlp().eval()
+    preset_export(tmp_path / "out", cache, model=model, quantizer="w4a16")
+
+    art = preset_export(tmp_path / "out", cache, model=model)
+
+    statuses = art.report.statuses
+    for stage in ("capture", "place_quantizers", "calibrate", "to_onnx"):
+        assert statuses[stage] in ("hit", "cutoff"), (stage, statuses)
+    assert statuses["weight_stats"] == statuses["qparams"] == "ran"  # + the blocks' ranges
+    assert params(doc_of(art))["fc2.weight"]["enc_type"] == "LPBQ"
+
+    again = preset_export(tmp_path / "out", cache, model=model, layer_overrides={"fc1": "w8"})
+
+    for stage in ("capture", "place_quantizers", "weight_stats", "calibrate", "to_onnx"):
+        assert again.report.statuses[stage] in ("hit", "cutoff"), (stage, again.report.statuses)
+    assert params(doc_of(again))["fc1.weight"]["enc_type"] == "PER_CHANNEL"
+
+
 def test_encodings_0_6_1_cannot_say_lpbq(tmp_path, cache):
     with pytest.raises(StageError, match="0.6.1 cannot express LPBQ; use 1.0.0 or 2.0.0"):
         preset_export(tmp_path, cache, version="0.6.1", check_numerics=False)

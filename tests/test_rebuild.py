@@ -10,11 +10,11 @@ import pytest
 
 import graphbuild
 import graphbuild.engine.codecs as codecs
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.codecs import Encoded, JsonCodec, Part, register_codec
 from graphbuild.engine.keying import Keys
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.rebuild import Freshness, decide
-from graphbuild.engine.store import Cache
 
 ENGINE = Path(graphbuild.__file__).parent / "engine"
 

@@ -202,6 +202,23 @@ def test_recalibration_reruns_the_forward_passes_nothing_structural(preset_warm)
     assert report.statuses["calibrate"] == report.statuses["qparams"] == "ran"
 
 
+def test_a_bit_width_override_reruns_the_values_not_the_placement_nor_calibration(preset_warm):
+    model, out, cache, opts = preset_warm
+    report = build(model, out, cache, **opts, layer_overrides={"conv2": "w4"})
+    assert hit(report, *PLACEMENT, "weight_stats", "calibrate")
+    assert report.statuses["left_float"] == "ran"  # the same quantizers float: cut off
+    assert report.statuses["quant_map"] == report.statuses["qparams"] == "ran"
+
+
+def test_a_float_override_re_exports_the_onnx_graph_but_traces_and_calibrates_nothing(
+    preset_warm,
+):
+    model, out, cache, opts = preset_warm
+    report = build(model, out, cache, **opts, layer_overrides={"fc": "float"})
+    assert hit(report, "capture", "place_quantizers", "weight_stats", "calibrate")
+    assert report.statuses["left_float"] == report.statuses["to_onnx"] == "ran"
+
+
 def test_range_method_reruns_the_values_histograms_once(preset_warm):
     model, out, cache, opts = preset_warm
     report = build(model, out, cache, **opts, range_method="percentile")

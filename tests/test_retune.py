@@ -4,7 +4,7 @@
 A preset change and a range method change recompute values only (no trace, no calibration
 pass), a recalibration reruns the forward passes and nothing structural, a weight change
 re-collects the statistics it affects; every export equals, byte for byte, an uncached one
-and the one-stage PT2E pipeline the split replaced (``build_qnn_pipeline(split=False)``,
+and the one-stage PT2E pipeline the split replaced (``build_qnn_pipeline(one_stage_oracle=True)``,
 generated here as the golden).
 """
 
@@ -31,7 +31,7 @@ STRUCTURE = ("capture", "place_quantizers", "placement", "marker_graph", "to_onn
 def one_stage(request):
     """The pipeline before the split: PT2E prepare, calibrate, convert and re-export as one
     ``quantize`` stage, then ``normalize``."""
-    return build_qnn_pipeline(request, split=False)
+    return build_qnn_pipeline(request, one_stage_oracle=True)
 
 
 def export(model, samples, out, cache, *, fmt="onnx", factory=None, **options):

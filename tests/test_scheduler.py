@@ -12,9 +12,9 @@ import torch
 
 from graphbuild.cache import FileBlobs
 from graphbuild.cache.manifest import blob_refs
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.scheduler import EventKind
-from graphbuild.engine.store import Cache
 from graphbuild.errors import StageError, UndeclaredReadError
 from tests.engine_helpers import CALLS, DECODES, Box, Recorder, reset, stage, tiny_net
 

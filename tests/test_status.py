@@ -19,7 +19,7 @@ def _pipeline() -> Pipeline:
 
 
 def test_run_report_statuses_are_stage_statuses(tmp_path):
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
 
     reset()
     cache = Cache(tmp_path / "cache")
@@ -33,7 +33,7 @@ def test_run_report_statuses_are_stage_statuses(tmp_path):
 
 
 def test_plan_statuses_are_stage_statuses(tmp_path):
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
 
     reset()
     cache = Cache(tmp_path / "cache")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.errors import ConfigError
 from graphbuild.targets import registry
-from graphbuild.targets.base import BOOL, STR, Target
+from graphbuild.targets.base import BOOL, STR, ExportFlag, Target
 from graphbuild.targets.registry import get_target, register_target
 
 
@@ -142,3 +143,83 @@ def test_declaring_the_builtin_targets_imports_no_torch_or_backend():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- export flags
+
+LOUD_ECHO = dataclasses.replace(
+    ECHO, export_flags=(ExportFlag("loud", "loud", "Shout the greeting."),)
+)
+
+
+@pytest.fixture
+def loud_echo_target():
+    register_target(LOUD_ECHO, replace=True)
+    yield LOUD_ECHO
+    registry._TARGETS.pop("echo", None)
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from graphbuild.cli.app import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_the_export_help_lists_each_targets_flags_with_its_target(loud_echo_target):
+    shown = " ".join(_cli("export", "--help").output.replace("│", " ").split())
+
+    assert "--loud" in shown and "Shout the greeting (target echo)." in shown
+    assert "--check-htp" in shown and "--strict-coverage" in shown
+    assert "onnxruntime's CPU (target qnn)." in shown
+
+
+def test_a_targets_flag_turns_its_option_on(tmp_path, monkeypatch, loud_echo_target):
+    (tmp_path / "m.py").write_text(
+        "import torch\n\n\ndef build():\n    return torch.nn.Linear(2, 2), (torch.randn(1, 2),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    common = ("export", "--target", "echo", "--model", "m.py:build", "--no-cache", "--json")
+
+    quiet = _cli(*common, "--name", "m", "--output-dir", "quiet")
+    loud = _cli(*common, "--name", "m", "--output-dir", "loud", "--loud")
+
+    assert quiet.exit_code == 0 and loud.exit_code == 0, quiet.output + loud.output
+    assert (tmp_path / "quiet" / "m.txt").read_text() == "hello"
+    assert (tmp_path / "loud" / "m.txt").read_text() == "HELLO"
+
+
+def test_a_flag_of_another_target_is_refused_as_its_option_is(tmp_path, monkeypatch):
+    (tmp_path / "graphbuild.toml").write_text('model = "m.py:build"\ntarget = "executorch"\n')
+    monkeypatch.chdir(tmp_path)
+
+    result = _cli("export", "--check-htp", "--dry-run")
+
+    assert result.exit_code == 2, result.output
+    assert "check_htp" in result.output
+
+
+def test_a_flag_must_switch_a_true_or_false_option():
+    with pytest.raises(ConfigError, match="'greeting' must be a true/false option"):
+        dataclasses.replace(ECHO, export_flags=(ExportFlag("hi", "greeting", "Greet."),))
+    with pytest.raises(ConfigError, match="'volume' must be a true/false option"):
+        dataclasses.replace(ECHO, numerics_option="volume")
+
+
+def test_a_sweep_turns_on_the_numerics_option_its_target_declares(tmp_path, echo_target):
+    from graphbuild.sweeps.runner import _spec
+    from graphbuild.sweeps.variants import Variant
+
+    (tmp_path / "graphbuild.toml").write_text('model = "m.py:build"\ntarget = "echo"\n')
+    variant = Variant("v", (), ())
+
+    undeclared = _spec(variant, None, tmp_path, [], tmp_path / "v", check_numerics=True)
+    register_target(dataclasses.replace(ECHO, numerics_option="loud"), replace=True)
+    declared = _spec(variant, None, tmp_path, [], tmp_path / "v", check_numerics=True)
+    off = _spec(variant, None, tmp_path, [], tmp_path / "v", check_numerics=False)
+
+    assert ("options.loud", True) not in undeclared.overrides
+    assert ("options.loud", True) in declared.overrides
+    assert declared.load_config().options["loud"] is True
+    assert ("options.loud", True) not in off.overrides

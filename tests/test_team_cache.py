@@ -26,8 +26,8 @@ from torch import nn
 from typer.testing import CliRunner
 
 from graphbuild.cli.app import app
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from tests.engine_helpers import CALLS, reset, stage
 from tests.redis_server import RedisServer
 
@@ -263,7 +263,7 @@ sys.path.insert(0, sys.argv[1])
 local, url, mode, signal_file = sys.argv[2], sys.argv[3], sys.argv[4], Path(sys.argv[5])
 
 import redis
-from graphbuild.engine.store import Cache
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.cache.redis import RedisIndex
 from tests.test_team_cache import big_model, shared_pipeline, small_model
 
@@ -391,7 +391,7 @@ def test_a_reader_whose_acl_forbids_writes_is_a_reader(redis_url, tmp_path, monk
     keys_before = sorted(client(redis_url).scan_iter())
     clock = time.time
     monkeypatch.setattr(
-        "graphbuild.cache.store.time", types.SimpleNamespace(time=lambda: clock() + age)
+        "graphbuild.cache.byte_store.time", types.SimpleNamespace(time=lambda: clock() + age)
     )
 
     reset()

@@ -24,8 +24,8 @@ from torch import nn
 
 import graphbuild as gb
 from graphbuild.engine import toolchain
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from graphbuild.engine.toolchain import Tool, file_digest, tool_identity
 from tests.engine_helpers import CALLS, reset, stage
 

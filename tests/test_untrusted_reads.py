@@ -20,8 +20,8 @@ from graphbuild.cache.local import FileBlobs
 from graphbuild.cache.local.fs import Dir
 from graphbuild.cli.app import app
 from graphbuild.engine import closure
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from graphbuild.hashing import digest_bytes
 from tests.engine_helpers import CALLS, reset, stage
 from tests.models import FakeQuantConvNet

@@ -4,18 +4,18 @@ and manifests only.
 ``base`` holds the two store protocols, ``local`` the cache directory, ``redis`` a Redis
 server, ``layered`` the two together, ``manifest`` the checks on what is read back;
 :class:`ByteCache` works over any pair and maintains it. Nothing here decodes an artifact:
-the engine's :class:`~graphbuild.engine.store.Cache` (``graphbuild.Cache``) adds that.
+the engine's :class:`~graphbuild.engine.artifact_store.Cache` (``graphbuild.Cache``) adds that.
 """
 
 from graphbuild.cache.base import ActionIndex, BlobStore, CorruptBlob, Stores, StoreUnavailable
-from graphbuild.cache.local import FileBlobs, default_cache_dir
-from graphbuild.cache.store import (
+from graphbuild.cache.byte_store import (
     ByteCache,
     CacheEntry,
     CacheStats,
     CorruptEntry,
     MaintenanceReport,
 )
+from graphbuild.cache.local import FileBlobs, default_cache_dir
 
 __all__ = [
     "ActionIndex",

@@ -1,6 +1,6 @@
 """The cache's two stores, as protocols: an action index and a blob store.
 
-:class:`~graphbuild.cache.store.ByteCache` works over any pair: the local directory
+:class:`~graphbuild.cache.byte_store.ByteCache` works over any pair: the local directory
 (:mod:`graphbuild.cache.local`), a Redis server (:mod:`graphbuild.cache.redis`), or the two
 layered (:mod:`graphbuild.cache.layered`). The split follows Hamilton's caching stores: key ->
 small JSON record in one store, digest -> bytes in the other, and nothing else in common.

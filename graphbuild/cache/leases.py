@@ -104,7 +104,7 @@ class Lease:
 
 
 class LeaseHolding:
-    """Leases on keys for a cache over an index (a :class:`~.store.ByteCache`; the engine's
+    """Leases on keys for a cache over an index (a :class:`~.byte_store.ByteCache`; the engine's
     ``Cache`` is one): ``lease_seconds`` is how long a lease lasts without renewal."""
 
     lease_seconds: float = DEFAULT_SECONDS

@@ -31,7 +31,7 @@ from graphbuild.config import Config
 from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
-    from graphbuild.engine.store import Cache, CacheStats, MaintenanceReport
+    from graphbuild.engine.artifact_store import Cache, CacheStats, MaintenanceReport
 
 __all__ = ["cache_app"]
 
@@ -98,7 +98,7 @@ def _cache(
     cache_dir: Path | None, config: Path | None, url: str | None = None, *, repair: bool = True
 ) -> Cache:
     """The local cache, or with ``url`` the shared one; ``repair=False``: look only."""
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
 
     if url is not None:
         if cache_dir is not None:

@@ -15,6 +15,7 @@ from rich.text import Text
 from typer.core import TyperCommand
 
 from graphbuild.cli.errors import handles_errors, stage_json
+from graphbuild.cli.flags import flag_parameters, flag_sets
 from graphbuild.cli.options import (
     CacheDirOpt,
     CacheReadonlyOpt,
@@ -39,13 +40,33 @@ from graphbuild.cli.status import show_status
 from graphbuild.errors import ConfigError, StageError
 
 if TYPE_CHECKING:
+    from typer._click import Context, Parameter
+
     from graphbuild.engine.pipeline import Pipeline
 
 __all__ = ["ExportCommand", "export"]
 
 
 class ExportCommand(TyperCommand):
-    """``--force`` takes an optional value: a bare ``--force`` forces every stage."""
+    """``--force`` takes an optional value: a bare ``--force`` forces every stage. The
+    targets' own flags (:mod:`graphbuild.cli.flags`) join the options, before ``--json``, when
+    the command first parses or prints its help, and become ``--set`` pairs when it runs."""
+
+    _with_target_flags = False
+
+    def get_params(self, ctx: Context) -> list[Parameter]:
+        if not self._with_target_flags:
+            self._with_target_flags = True
+            names = [p.name for p in self.params]
+            at = names.index("as_json") if "as_json" in names else len(names)
+            self.params[at:at] = flag_parameters({n for n in names if n})
+        return super().get_params(ctx)
+
+    def invoke(self, ctx: Context) -> Any:
+        switched = flag_sets(ctx.params)
+        if switched:
+            ctx.params["sets"] = [*(ctx.params.get("sets") or []), *switched]
+        return super().invoke(ctx)
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         out = []
@@ -103,21 +124,6 @@ def export(
             help="Recompute stages that hit and fail if any output differs from the cache.",
         ),
     ] = False,
-    strict_coverage: Annotated[
-        bool,
-        typer.Option(
-            "--strict-coverage",
-            help="Fail (exit 1) when the coverage report finds a tensor the device runs quantized left float.",
-        ),
-    ] = False,
-    check_htp: Annotated[
-        bool,
-        typer.Option(
-            "--check-htp",
-            help="Compile the export on Qualcomm's HTP backend (the htp extra) with CPU fallback "
-            "disabled and compare its outputs with onnxruntime's CPU.",
-        ),
-    ] = False,
     as_json: JsonOpt = False,
     jobs: Annotated[
         str | None,
@@ -150,10 +156,6 @@ def export(
     sets: SetOpt = None,
 ) -> None:
     """Build the model named in graphbuild.toml (or --model) for a target and format."""
-    if strict_coverage:
-        sets = [*(sets or []), "options.strict_coverage=true"]
-    if check_htp:
-        sets = [*(sets or []), "options.check_htp=true"]
     cfg = load_cli_config(
         config,
         target=target,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -15,9 +14,9 @@ from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
     from graphbuild.api import ExportRequest
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.engine.events import StageEvent
     from graphbuild.engine.pipeline import Pipeline
-    from graphbuild.engine.store import Cache
 
 __all__ = [
     "CacheDirOpt",
@@ -199,7 +198,7 @@ def open_cache(
     """The cache an export or a plan uses: the local directory, in front of the shared cache
     when a URL is given or configured. ``readonly`` (or ``[cache] readonly``) applies to the
     shared cache, or to the directory when there is none."""
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
 
     if no_cache:
         if cache_dir is not None or url is not None:
@@ -228,10 +227,11 @@ def build_request(
     listeners: Sequence[Callable[[StageEvent], None]] = (),
 ) -> tuple[ExportRequest, Pipeline]:
     """The export request the config describes and its pipeline (built before anything runs,
-    so an unknown target, format or option is a configuration error)."""
+    so an unknown target, format or option is a configuration error), made as a sweep makes
+    each variant's (:func:`graphbuild.config.request.export_request`)."""
     cfg.check()  # before torch is imported: a typo is answered at once
     quiet_torch()
-    from graphbuild.api import ExportRequest, build_pipeline
+    from graphbuild.config.request import export_request
 
     if not cfg.model_name:
         raise ConfigError(
@@ -239,17 +239,6 @@ def build_request(
             "or pass --model path/to/model.py:build"
         )
     model, samples, calibration = cfg.load_model() if load_model else (None, None, None)
-    request = ExportRequest(
-        model=model,
-        data=samples,
-        output_directory=cfg.output_dir,
-        model_name=cfg.model_name,
-        target=cfg.target,
-        format=cfg.format,
-        options=cfg.export_options(calibration),
-        cache=cache if cache is not None else False,
-        force=force,
-        listeners=listeners,
+    return export_request(
+        cfg, model, samples, calibration, cache=cache, force=force, listeners=listeners
     )
-    pipeline = build_pipeline(request)
-    return replace(request, pipeline_factory=lambda _request: pipeline), pipeline

@@ -31,7 +31,7 @@ from graphbuild.engine.status import StageStatus
 from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
 
 __all__ = ["explain", "show_status", "status"]
 

@@ -13,11 +13,13 @@ found; only the CLI turns it into an exit code.
 
 One job a module: ``files`` (finding and reading the file), ``schema`` (keys and types),
 ``overrides`` (``--set``), ``specs`` (``module:attr`` strings to objects) and ``settings``
-(:class:`Config` and :func:`load_config`); the public names are re-exported here.
+(:class:`Config` and :func:`load_config`), ``request`` (:func:`export_request`, a config made
+into an export request); the public names are re-exported here.
 """
 
 from graphbuild.config.files import CONFIG_FILE, PYPROJECT, find_config
 from graphbuild.config.overrides import parse_override
+from graphbuild.config.request import export_request
 from graphbuild.config.settings import DEFAULT_OUTPUT_DIR, Config, load_config
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "DEFAULT_OUTPUT_DIR",
     "PYPROJECT",
     "Config",
+    "export_request",
     "find_config",
     "load_config",
     "parse_override",

@@ -288,13 +288,15 @@ def load_config(
     overrides: Iterable[str | tuple[str, Any]] = (),
     *,
     required: bool = True,
+    search: bool = True,
 ) -> Config:
     """Find, read, override and validate the configuration.
 
     ``path`` names the file (``graphbuild.toml`` or a ``pyproject.toml``); without it the
-    first one from ``cwd`` upward is used. ``overrides`` are ``"key=value"`` strings (as
-    ``--set`` gives them; dotted keys reach into tables) or ``(key, value)`` pairs. With no
-    file, a ``model`` override, or ``required=False``, stands in for one, rooted at ``cwd``.
+    first one from ``cwd`` upward is used (``search=False``: none is). ``overrides`` are
+    ``"key=value"`` strings (as ``--set`` gives them; dotted keys reach into tables) or
+    ``(key, value)`` pairs. With no file, a ``model`` override, or ``required=False``, stands
+    in for one, rooted at ``cwd``.
     """
     here = Path(cwd or os.getcwd()).resolve()
     pairs = [parse_override(o) if isinstance(o, str) else tuple(o) for o in overrides]
@@ -303,7 +305,7 @@ def load_config(
         if not source.is_file():
             raise ConfigError(f"config file {source} does not exist")
     else:
-        source = find_config(here)
+        source = find_config(here) if search else None
     if source is None:
         if required and not any(k == "model" for k, _ in pairs):
             raise ConfigError(

@@ -42,9 +42,9 @@ from graphbuild.engine.status import StageStatus
 from graphbuild.errors import GraphbuildError
 
 if TYPE_CHECKING:
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.engine.fingerprint import InputFacets
     from graphbuild.engine.pipeline import Pipeline
-    from graphbuild.engine.store import Cache
 
 __all__ = [
     "BatchEvent",

@@ -36,8 +36,8 @@ from graphbuild.engine.toolchain import (
 from graphbuild.errors import FingerprintError
 
 if TYPE_CHECKING:
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.engine.pipeline import Pipeline, Stage
-    from graphbuild.engine.store import Cache
 
 __all__ = ["Keys", "StageState", "plan_reads"]
 

@@ -22,8 +22,8 @@ import networkx as nx
 from graphbuild.errors import PipelineError
 
 if TYPE_CHECKING:
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.engine.scheduler import RunResult
-    from graphbuild.engine.store import Cache
 
 StageFn = Callable[[Any, Any, Any], Any]
 

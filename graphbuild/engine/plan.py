@@ -19,8 +19,8 @@ from graphbuild.engine.rebuild import Freshness, decide
 from graphbuild.engine.status import StageStatus
 
 if TYPE_CHECKING:
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.engine.pipeline import Pipeline
-    from graphbuild.engine.store import Cache
 
 __all__ = ["explain_plan", "plan", "plan_status", "stage_inputs"]
 

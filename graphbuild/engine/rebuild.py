@@ -24,8 +24,8 @@ from graphbuild.engine.explain import stale_reason
 from graphbuild.engine.toolchain import codec_names
 
 if TYPE_CHECKING:
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.engine.keying import Keys
-    from graphbuild.engine.store import Cache
 
 __all__ = ["Freshness", "Verdict", "decide", "stale_codecs"]
 

@@ -21,6 +21,7 @@ import networkx as nx
 
 from graphbuild.cache.manifest import bytes_stored
 from graphbuild.engine import digest_memo, source_memo
+from graphbuild.engine.artifact_store import Cache, CorruptEntry
 from graphbuild.engine.checking import check_mode
 from graphbuild.engine.codecs import encode
 from graphbuild.engine.concurrent import record_timeline, run_concurrently
@@ -33,7 +34,6 @@ from graphbuild.engine.keying import Keys, plan_reads
 from graphbuild.engine.outputs import LazyOutputs, RunResult
 from graphbuild.engine.rebuild import decide
 from graphbuild.engine.status import StageStatus
-from graphbuild.engine.store import Cache, CorruptEntry
 from graphbuild.engine.toolchain import codec_files, codec_names, toolchain_versions
 from graphbuild.engine.writer import CacheWriter
 from graphbuild.errors import (

@@ -30,7 +30,7 @@ __all__ = ["MemoStore", "environment_stamp", "get", "put", "use"]
 
 
 class MemoStore(Protocol):
-    """Where records are kept: :class:`~graphbuild.cache.store.ByteCache` is one."""
+    """Where records are kept: :class:`~graphbuild.cache.byte_store.ByteCache` is one."""
 
     def memo(self, key: str) -> dict[str, Any] | None: ...
 

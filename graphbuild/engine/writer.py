@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
 
 
 class CacheWriter:

@@ -12,11 +12,11 @@ Two things ``prepare_pt2e`` does depend on values, and both are kept apart:
 
 - it folds BatchNorm into the convolution (or linear layer) before it: the graph change is
   structure, the folded tensors are values. The placement records which state tensors the
-  fold rewrites or creates (``Placement.folded``); :func:`fold_weights` recomputes them from
+  fold rewrites or creates (``SitePlacement.folded``); :func:`fold_weights` recomputes them from
   the real weights the same way.
 - the quantizer's graph rewrites may create tensors of their own (a number an op reads made
   a 0-d constant): they depend on the code only and travel with the placement
-  (``Placement.created``), as do the program's lifted constants.
+  (``SitePlacement.created``), as do the program's lifted constants.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from graphbuild.errors import ExportError
 from graphbuild.frontend.quantize import check_no_buffer_mutation, load_state, resolve_attr
 from graphbuild.quant.markers import MARKER_TARGET, is_marker
 
-__all__ = ["Group", "Placement", "Site", "fold_weights", "place_quantizers"]
+__all__ = ["Group", "Site", "SitePlacement", "fold_weights", "place_quantizers"]
 
 #: what a site's marker reads: a parameter or buffer, a lifted constant, a model input, or a
 #: tensor the graph computes
@@ -48,13 +48,15 @@ class Site:
     ``group`` is the observer it had (observers shared by several tensors, a Concat's inputs
     and output, share their statistics); ``source`` is the observed node's name in the
     prepared graph (the name calibration reports use); ``input`` one of :data:`SITE_INPUTS`,
-    ``tensor`` the state or constant name for the first two."""
+    ``tensor`` the state or constant name for the first two; ``settings`` what the target
+    said about this site's own observer call (the QNN presets: which tensor it quantizes)."""
 
     index: int
     group: int
     source: str
     input: str
     tensor: str | None = None
+    settings: Any = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -63,6 +65,7 @@ class Site:
             "source": self.source,
             "input": self.input,
             "tensor": self.tensor,
+            "settings": self.settings,
         }
 
 
@@ -81,7 +84,7 @@ class Group:
 
 
 @dataclass
-class Placement:
+class SitePlacement:
     """The site program (state as the capture left it: placeholders), its sites and groups,
     the state tensors a BatchNorm fold rewrites or creates, and the tensors the placement
     itself created (rewrite constants, lifted constants), by state or constant name."""
@@ -110,7 +113,7 @@ def place_quantizers(
     quantizer: Any,
     sample_args: tuple,
     describe: Describe | None = None,
-) -> Placement:
+) -> SitePlacement:
     """Place ``quantizer``'s observers on ``program`` (structure only) and trace the result
     with markers in their place. ``describe`` lets the target record what it needs per
     observer (the QNN presets: each preset's bit-width and symmetry)."""
@@ -135,7 +138,7 @@ def place_quantizers(
         if name not in known and name not in folded
     }
     created.update({k: v.detach().clone() for k, v in sites_program.constants.items()})
-    return Placement(sites_program, sites, groups, folded, created)
+    return SitePlacement(sites_program, sites, groups, folded, created)
 
 
 def _before_prepare(quantizer: Any, module: GraphModule) -> GraphModule:
@@ -189,15 +192,16 @@ def fold_weights(
 
 def _replace_observers(
     prepared: GraphModule, settings: Mapping[str, Any]
-) -> tuple[list[Group], dict[int, tuple[int, str]]]:
+) -> tuple[list[Group], dict[int, tuple[int, str, Any]]]:
     """Every observer call becomes a marker numbered in graph order; returns the groups (one
-    per observer module) and, per site, (group, observed node name)."""
+    per observer module) and, per site, (group, observed node name, the target's settings of
+    its observer call)."""
     from torchao.quantization.pt2e.observer import ObserverBase
 
     modules = dict(prepared.named_modules(remove_duplicate=False))
     group_of: dict[int, int] = {}  # by observer object: a shared one has several names
     groups: list[Group] = []
-    observed: dict[int, tuple[int, str]] = {}
+    observed: dict[int, tuple[int, str, Any]] = {}
     for node in list(prepared.graph.nodes):
         if node.op != "call_module" or not isinstance(modules.get(node.target), ObserverBase):
             continue
@@ -214,7 +218,7 @@ def _replace_observers(
             marker = prepared.graph.call_function(MARKER_TARGET, (source, site))
         node.replace_all_uses_with(marker)
         prepared.graph.erase_node(node)
-        observed[site] = (group_of[id(observer)], source.name)
+        observed[site] = (group_of[id(observer)], source.name, settings.get(name))
     return groups, observed
 
 
@@ -243,7 +247,7 @@ def _group(index: int, observer: Any, settings: Any) -> Group:
     return Group(index, int(axis) if per_channel else None, eps_value, settings)
 
 
-def _sites(program: ExportedProgram, observed: Mapping[int, tuple[int, str]]) -> list[Site]:
+def _sites(program: ExportedProgram, observed: Mapping[int, tuple[int, str, Any]]) -> list[Site]:
     """The sites as the traced program has them: what each marker reads."""
     specs = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
     sites: dict[int, Site] = {}
@@ -254,16 +258,16 @@ def _sites(program: ExportedProgram, observed: Mapping[int, tuple[int, str]]) ->
         x = node.args[0]
         if index not in observed or index in sites or not isinstance(x, torch.fx.Node):
             raise ExportError(f"the traced placement has an unexpected marker '{node.name}'")
-        group, source = observed[index]
+        group, source, about = observed[index]
         spec = specs.get(x.name) if x.op == "placeholder" else None
         if spec is None:
-            sites[index] = Site(index, group, source, "activation")
+            sites[index] = Site(index, group, source, "activation", settings=about)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            sites[index] = Site(index, group, source, "state", spec.target)
+            sites[index] = Site(index, group, source, "state", spec.target, about)
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            sites[index] = Site(index, group, source, "constant", spec.target)
+            sites[index] = Site(index, group, source, "constant", spec.target, about)
         else:
-            sites[index] = Site(index, group, source, "input")
+            sites[index] = Site(index, group, source, "input", settings=about)
     if sorted(sites) != list(range(len(observed))):
         missing = sorted(set(range(len(observed))) - set(sites))
         raise ExportError(f"tracing the placement lost quantizer site(s) {missing}")

@@ -26,6 +26,7 @@ __all__ = [
     "collect_qvalues",
     "evaluate",
     "fixed_values",
+    "lpbq_qparams",
     "qvalues_from",
 ]
 
@@ -162,11 +163,11 @@ def _qparams(spec: QuantSpec, resolve: Callable[[ValueRef], torch.Tensor]) -> QP
     if spec.block_size is None:
         scale, zero_point = scale.reshape(-1), zero_point.reshape(-1)
     if spec.block_scale_bits is not None:
-        return _lpbq_qparams(spec, scale, zero_point)
+        return lpbq_qparams(spec, scale, zero_point)
     return QParams(scale.clone(), zero_point.clone())
 
 
-def _lpbq_qparams(spec: QuantSpec, scale: torch.Tensor, zero_point: torch.Tensor) -> QParams:
+def lpbq_qparams(spec: QuantSpec, scale: torch.Tensor, zero_point: torch.Tensor) -> QParams:
     """An LPBQ quantizer's values: its block scales compressed (:func:`lpbq.compress`; a
     model's own LPBQ scales come back unchanged), zero points 0 (LPBQ is symmetric)."""
     if bool((zero_point != 0).any()):

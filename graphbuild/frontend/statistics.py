@@ -43,6 +43,8 @@ __all__ = [
     "HISTOGRAM_BINS",
     "GroupStatistics",
     "Statistics",
+    "block_range",
+    "block_statistics",
     "calibrate",
     "calibration_batches",
     "observed_ranges",
@@ -262,6 +264,41 @@ def static_statistics(
             observed[group] = GroupStatistics(groups[group]["axis"], histogram=False)
         observed[group](tensors[name])
     return pack(observed)
+
+
+def block_statistics(
+    sites: Sequence[Mapping[str, Any]],
+    groups: Iterable[int],
+    tensors: Mapping[str, torch.Tensor],
+    block_size: int,
+) -> dict[str, torch.Tensor]:
+    """The min and max of each block of ``block_size`` along axis 1 of the 2-D weights the
+    static ``groups`` read (``(out, in / block_size)``, as an LPBQ observer keeps them), as
+    ``block_min.<group>`` and ``block_max.<group>``: what blocked scales are computed from."""
+    out: dict[str, torch.Tensor] = {}
+    wanted = set(groups)
+    for site in sites:
+        group = site["group"]
+        if group not in wanted or f"block_min.{group}" in out:
+            continue
+        x = tensors[site["tensor"]].detach().float()
+        if x.dim() != 2 or x.shape[1] % block_size:
+            raise ExportError(
+                f"blocked weight '{site['tensor']}' of shape {list(x.shape)}: expected "
+                f"(out, in) with in a multiple of {block_size}"
+            )
+        blocks = x.reshape(x.shape[0], -1, block_size)
+        out[f"block_min.{group}"] = blocks.amin(dim=-1).contiguous()
+        out[f"block_max.{group}"] = blocks.amax(dim=-1).contiguous()
+    return out
+
+
+def block_range(stats: Mapping[str, torch.Tensor], group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) per block of ``group`` from :func:`block_statistics`."""
+    key = f"block_min.{group}"
+    if key not in stats:
+        raise ExportError(f"no block statistics for quantizer group {group}")
+    return stats[key].clone(), stats[f"block_max.{group}"].clone()
 
 
 def calibrate(

@@ -41,20 +41,20 @@ from typing import Any
 
 from graphbuild.cache.manifest import InvalidManifest, check_placement_stamp
 from graphbuild.cache.names import is_placed_path, is_plain_name
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.events import RunReport
 from graphbuild.engine.pipeline import Pipeline
-from graphbuild.engine.store import Cache
 from graphbuild.engine.toolchain import pipeline_tools, toolchain_versions
 from graphbuild.errors import ExportError
 from graphbuild.hashing import digest_bytes, digest_json
 from graphbuild.output.directory import LOCK_FILE, check_output_directory
 
-__all__ = ["LOCK_FILE", "Placement", "check_output_directory", "json_safe", "place_outputs"]
+__all__ = ["LOCK_FILE", "FilePlacement", "check_output_directory", "json_safe", "place_outputs"]
 
 
 @dataclass(frozen=True)
-class Placement:
+class FilePlacement:
     """Where and how to place: the directory, the model name, external data."""
 
     out_dir: Path
@@ -64,7 +64,7 @@ class Placement:
 
 
 def place_outputs(
-    pipeline: Pipeline, result: Any, placement: Placement, cache: Cache | None
+    pipeline: Pipeline, result: Any, placement: FilePlacement, cache: Cache | None
 ) -> tuple[dict[str, Path], dict[str, Any]]:
     """Place every product stage's output and the lock file; returns (kind -> path, lock)."""
     report: RunReport = result.report
@@ -101,7 +101,7 @@ def place_outputs(
     return {**files, "lock": placement.out_dir / LOCK_FILE}, lock
 
 
-def allowed_name(name: Any, pipeline: Pipeline, placement: Placement) -> bool:
+def allowed_name(name: Any, pipeline: Pipeline, placement: FilePlacement) -> bool:
     """True for a plain file name the pipeline may place: one it declares in
     ``output_files`` (or, declaring none, ``<model_name>.<suffix>``), or the ONNX model's
     own files; never the lock file."""
@@ -124,7 +124,7 @@ def allowed_name(name: Any, pipeline: Pipeline, placement: Placement) -> bool:
     return name.startswith(model + ".") and len(name) > len(model) + 1
 
 
-def _valid_stamp(stamp: Any, pipeline: Pipeline, placement: Placement) -> bool:
+def _valid_stamp(stamp: Any, pipeline: Pipeline, placement: FilePlacement) -> bool:
     """A placement stamp as :func:`place_outputs` writes it (``check_placement_stamp``, which
     ``cache verify`` runs too), naming only files this pipeline may place."""
     try:
@@ -134,7 +134,7 @@ def _valid_stamp(stamp: Any, pipeline: Pipeline, placement: Placement) -> bool:
     return all(allowed_name(f["name"], pipeline, placement) for _, f in stamp["files"])
 
 
-def _earlier_files(placement: Placement, stamp: Any) -> set[str]:
+def _earlier_files(placement: FilePlacement, stamp: Any) -> set[str]:
     """The files an earlier export of this model placed in the output directory: those its
     lock file lists, and those the cache's placement stamp records (whatever the format they
     were placed for). Each is a name an export may place (a file, or a file in one folder),
@@ -152,7 +152,7 @@ def _earlier_files(placement: Placement, stamp: Any) -> set[str]:
     return {n for n in names if is_placed_path(n) and n != LOCK_FILE}
 
 
-def _previous_files(stamp: dict[str, Any], placement: Placement) -> list[Any]:
+def _previous_files(stamp: dict[str, Any], placement: FilePlacement) -> list[Any]:
     """The placed model files whose tensor ranges the stamp records: a new model file copies
     its unchanged tensors from them (verified as copied, so a file edited since is safe), and
     links a data file an intact one holds the same bytes of."""
@@ -169,19 +169,19 @@ def _previous_files(stamp: dict[str, Any], placement: Placement) -> list[Any]:
     ]
 
 
-def _intact(f: Mapping[str, Any], placement: Placement) -> bool:
+def _intact(f: Mapping[str, Any], placement: FilePlacement) -> bool:
     path = placement.out_dir / f["name"]
     return _stat(path) == {k: f.get(k) for k in ("bytes", "mtime_ns", "inode")}
 
 
-def _unchanged(stamp: dict[str, Any], products: dict[str, str], placement: Placement) -> bool:
+def _unchanged(stamp: dict[str, Any], products: dict[str, str], placement: FilePlacement) -> bool:
     if stamp.get("products") != products or stamp.get("external_data") != placement.external_data:
         return False
     return all(_intact(f, placement) for _, f in stamp.get("files", []))
 
 
 def _reusable(
-    stamp: dict[str, Any], products: dict[str, str], placement: Placement
+    stamp: dict[str, Any], products: dict[str, str], placement: FilePlacement
 ) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     """Products whose output is unchanged and whose placed files are intact: their files
     are linked into the new output directory instead of being loaded and written again."""
@@ -208,7 +208,7 @@ def _stat(path: Path) -> dict[str, Any]:
 def _place(
     pipeline: Pipeline,
     result: Any,
-    placement: Placement,
+    placement: FilePlacement,
     products: Mapping[str, str],
     reusable: Mapping[str, list[tuple[str, dict[str, Any]]]],
     previous: list[Any],
@@ -454,7 +454,7 @@ def _data_files(out_dir: Path, model_name: str) -> set[str]:
     return {n for n in names if is_data_file(n, f"{model_name}.onnx")}
 
 
-def _declared(pipeline: Pipeline, placement: Placement) -> str:
+def _declared(pipeline: Pipeline, placement: FilePlacement) -> str:
     if pipeline.output_files is not None:
         return ", ".join(sorted(pipeline.output_files)) or "none"
     return f"{placement.model_name}.<suffix>"
@@ -478,7 +478,7 @@ def _model_file(kind: str, item: Any) -> str | None:
 
 
 def _write(
-    item: Any, tmp: Path, placement: Placement, previous: list[Any], name: str | None = None
+    item: Any, tmp: Path, placement: FilePlacement, previous: list[Any], name: str | None = None
 ) -> list[tuple[Path, str, list[list[Any]]]]:
     """Write one product's files into ``tmp``: (path, xxh3-128, tensor ranges) each; a
     model under ``name`` when given."""
@@ -507,7 +507,7 @@ def _kind(filename: str, model_name: str, fallback: str) -> str:
 def _lock(
     pipeline: Pipeline,
     report: RunReport,
-    placement: Placement,
+    placement: FilePlacement,
     digests: Mapping[str, Mapping[str, Any]],
     paths: Mapping[str, Path] | None = None,
 ) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
     from graphbuild.sweeps.runner import SweepEvent, SweepResult
 
 __all__ = ["sweep"]
@@ -30,7 +30,7 @@ def sweep(
     overrides: Iterable[str | tuple[str, Any]] = (),
     mode: str | None = None,
     variants: Sequence[Mapping[str, Any]] | None = None,
-    calibrations: Mapping[str, str] | None = None,
+    calibrations: Mapping[str, Any] | None = None,
     output_dir: str | os.PathLike | None = None,
     cache: Cache | str | os.PathLike | None = None,
     cache_url: str | None = None,
@@ -39,6 +39,10 @@ def sweep(
     ray_address: str | None = None,
     check_numerics: bool = True,
     listeners: Iterable[Callable[[SweepEvent], None]] = (),
+    model: Any = None,
+    samples: Any = None,
+    calibration: Any = None,
+    model_name: str | None = None,
 ) -> SweepResult:
     """Export every variant of the configuration at ``config`` (else ``graphbuild.toml``
     found from ``cwd``), each into ``output_dir/<variant>/``, running each distinct stage key
@@ -52,16 +56,44 @@ def sweep(
     (default: the configured or default one); ``cache_url``: a shared cache the workers meet
     at (Ray needs one, or a directory every node reaches). ``executor``: ``"local"`` (a pool of
     ``jobs`` processes; ``jobs=1``: this process) or ``"ray"`` (``ray_address``: a cluster;
-    none: a local one). Returns the rows and summary that ``sweep.json`` holds."""
+    none: a local one). Returns the rows and summary that ``sweep.json`` holds.
+
+    ``model``: a model in memory (a ``torch.nn.Module``, or a function returning one or a
+    ``(module, sample_inputs)`` tuple) instead of the config's, traced on ``samples``;
+    ``calibration``: its calibration batches (a list, or a function returning one), and
+    ``calibrations`` may then hold such sets too; ``model_name`` names its files (default
+    ``model``). No config file is searched for (``config`` may still name one without a
+    model), and the jobs run in this process."""
     from graphbuild.config import load_config, parse_override
-    from graphbuild.engine.store import Cache
+    from graphbuild.engine.artifact_store import Cache
+    from graphbuild.errors import ArgumentTypeError, ConfigError
     from graphbuild.sweeps.builds import CacheSpec
+    from graphbuild.sweeps.memory import in_memory
     from graphbuild.sweeps.runner import DEFAULT_OUTPUT_DIR, run_sweep
     from graphbuild.sweeps.variants import Axis, sweep_settings
 
     here = Path(cwd or os.getcwd()).resolve()
     pairs = [parse_override(o) if isinstance(o, str) else tuple(o) for o in overrides]
-    base = load_config(config, here, pairs)
+    memory = None
+    if model is not None:
+        memory, default, calibrations = in_memory(model, samples, calibration, calibrations)
+        given = [("calibration", default)] if default else []
+        given += [("model_name", model_name)] if model_name else []
+        pairs = [*given, *pairs]
+    elif samples is not None or calibration is not None or model_name is not None:
+        raise ArgumentTypeError(
+            "samples, calibration and model_name go with a model in memory (model=...); "
+            "a config file's model takes them from the file"
+        )
+    base = load_config(config, here, pairs, required=memory is None, search=memory is None)
+    if memory is not None and base.model is not None:
+        raise ConfigError(
+            f"{base.where} names a model ({base.model}) and sweep() was given one in memory: "
+            "give one of them"
+        )
+    if memory is not None and base.model_name is None:
+        pairs = [("model_name", "model"), *pairs]
+        base = load_config(config, here, pairs, required=False, search=False)
     axes: list[str | Axis] = (
         [Axis(k, tuple(v)) for k, v in vary.items()] if isinstance(vary, Mapping) else list(vary)
     )
@@ -105,4 +137,5 @@ def sweep(
         ray_address=ray_address or settings.ray_address,
         check_numerics=check_numerics,
         listeners=listeners,
+        memory=memory,
     )

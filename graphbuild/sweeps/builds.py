@@ -3,8 +3,9 @@
 The process that plans a sweep and every worker that runs its jobs build each variant the
 same way, from a :class:`VariantSpec` (plain data, sent to workers): load the configuration
 with the sweep's and the variant's overrides, call the model factory, make the export request
-and its pipeline. A worker that builds something else (an unseeded model factory) computes
-other keys, which the job refuses (:class:`~graphbuild.errors.KeyMismatchError`).
+and its pipeline (``graphbuild.config.export_request``, as ``graphbuild export`` does). A
+worker that builds something else (an unseeded model factory) computes other keys, which the
+job refuses (:class:`~graphbuild.errors.KeyMismatchError`).
 
 In one process each distinct model (factory and samples) is built once and shared by the
 variants that name it, with one set of fingerprints (the sweep never changes it).
@@ -14,19 +15,20 @@ variants that name it, with one set of fingerprints (the sweep never changes it)
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from graphbuild.api import ExportRequest, build_pipeline
 from graphbuild.cache.leases import DEFAULT_SECONDS
-from graphbuild.config import Config, load_config
+from graphbuild.config import Config, export_request, load_config
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.batch import Build
-from graphbuild.engine.store import Cache
 from graphbuild.errors import ConfigError
 
 if TYPE_CHECKING:
+    from graphbuild.api import ExportRequest
     from graphbuild.engine.pipeline import Pipeline
+    from graphbuild.sweeps.memory import InMemory
 
 __all__ = ["KEEP_VALUES", "CacheSpec", "VariantBuilds", "VariantSpec"]
 
@@ -37,17 +39,20 @@ KEEP_VALUES = 1 << 30
 
 @dataclass(frozen=True)
 class VariantSpec:
-    """What any process needs to build one variant: the config file (None: none, the
-    overrides name the model), the directory relative paths start from, and the overrides
-    (the sweep's, then the variant's)."""
+    """What any process needs to build one variant: the config file (None: the one found
+    from ``cwd``, or with ``search`` off none, the overrides naming the model), the directory
+    relative paths start from, and the overrides (the sweep's, then the variant's)."""
 
     name: str
     config: str | None
     cwd: str
     overrides: tuple[tuple[str, Any], ...]
+    search: bool = True
 
     def load_config(self) -> Config:
-        return load_config(self.config, self.cwd, self.overrides)
+        return load_config(
+            self.config, self.cwd, self.overrides, required=self.search, search=self.search
+        )
 
 
 @dataclass(frozen=True)
@@ -87,9 +92,15 @@ class VariantBuild:
 class VariantBuilds:
     """Builds variants in this process on demand, each distinct model once."""
 
-    def __init__(self, specs: list[VariantSpec] | tuple[VariantSpec, ...], cache: Cache | None):
+    def __init__(
+        self,
+        specs: list[VariantSpec] | tuple[VariantSpec, ...],
+        cache: Cache | None,
+        memory: InMemory | None = None,
+    ):
         self.specs = {s.name: s for s in specs}
         self.cache = cache
+        self.memory = memory
         self._models: dict[tuple, tuple[Any, Any, Any]] = {}
         self._calibrations: dict[tuple, Any] = {}
         self._built: dict[str, VariantBuild] = {}
@@ -110,26 +121,25 @@ class VariantBuilds:
                 f'variant {spec.name}: no model configured; set model = "file.py:build" '
                 "or pass --model"
             )
+        memory = self.memory if self.memory is not None and cfg.model is None else None
         key = (str(cfg.root), cfg.model, cfg.samples)
         if key not in self._models:
-            model, samples = cfg.load_model_and_samples()
+            if memory is not None:
+                model, samples = memory.model, memory.samples
+            else:
+                model, samples = cfg.load_model_and_samples()
             self._models[key] = (model, samples, InputFacets(model, samples))
         model, samples, facets = self._models[key]
         calibration_key = (str(cfg.root), cfg.calibration)
         if calibration_key not in self._calibrations:
-            self._calibrations[calibration_key] = cfg.load_calibration()
-        request = ExportRequest(
-            model=model,
-            data=samples,
-            output_directory=cfg.output_dir,
-            model_name=cfg.model_name,
-            target=cfg.target,
-            format=cfg.format,
-            options=cfg.export_options(self._calibrations[calibration_key]),
-            cache=self.cache if self.cache is not None else False,
+            held = self.memory.calibration(cfg.calibration) if self.memory else None
+            if held is not None:
+                self._calibrations[calibration_key] = held
+            else:
+                self._calibrations[calibration_key] = cfg.load_calibration()
+        request, pipeline = export_request(
+            cfg, model, samples, self._calibrations[calibration_key], cache=self.cache
         )
-        pipeline = build_pipeline(request)
-        request = replace(request, pipeline_factory=lambda _request: pipeline)
         build = Build(
             spec.name, pipeline, model, samples, request.context(), request.run_id(), facets
         )

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.batch import BatchEvent, BatchReport, StageJob, run_batch
 from graphbuild.engine.events import EventKind, StageEvent
-from graphbuild.engine.store import Cache
 from graphbuild.errors import ExportError
 from graphbuild.sweeps.builds import CacheSpec, VariantBuilds, VariantSpec
 from graphbuild.sweeps.executors import RayJobs

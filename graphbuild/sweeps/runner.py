@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.engine import digest_memo
+from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.batch import BatchEvent, BatchReport, BatchStatus, run_batch
-from graphbuild.engine.store import Cache
 from graphbuild.errors import ConfigError, GraphbuildError
 from graphbuild.sweeps import report as reports
 from graphbuild.sweeps.builds import KEEP_VALUES, CacheSpec, VariantBuilds, VariantSpec
 from graphbuild.sweeps.executors import make_executor
+from graphbuild.sweeps.memory import InMemory
 from graphbuild.sweeps.variants import SweepSettings, Variant
 
 __all__ = ["SweepEvent", "SweepResult", "run_sweep"]
@@ -80,9 +81,12 @@ def run_sweep(
     check_numerics: bool = True,
     listeners: Iterable[Callable[[SweepEvent], None]] = (),
     max_retries: int = 3,
+    memory: InMemory | None = None,
 ) -> SweepResult:
     """Run ``settings``' variants of the configuration at ``config`` (found from ``cwd`` when
-    None) with ``base_overrides`` applied to all of them; place each under ``output_dir``."""
+    None) with ``base_overrides`` applied to all of them; place each under ``output_dir``.
+    ``memory``: the model and calibration sets in memory (no config file is searched for),
+    whose jobs run in this process."""
     listeners = list(listeners)
 
     def emit(event: SweepEvent) -> None:
@@ -94,10 +98,12 @@ def run_sweep(
     root = Path(cwd, output_dir or DEFAULT_OUTPUT_DIR).resolve()
     config = str(config) if config is not None else None
     base_overrides = list(base_overrides)
+    search = memory is None
     specs = tuple(
-        _spec(v, config, cwd, base_overrides, root / v.name, check_numerics) for v in variants
+        _spec(v, config, cwd, base_overrides, root / v.name, check_numerics, search)
+        for v in variants
     )
-    builds = VariantBuilds(specs, cache)
+    builds = VariantBuilds(specs, cache, memory)
     for spec in specs:  # every variant is built (and checked) before anything runs
         try:
             builds[spec.name]
@@ -105,6 +111,13 @@ def run_sweep(
             raise ConfigError(f"sweep variant {spec.name}: {err}") from err
     emit(SweepEvent("planned", detail=f"{len(specs)} variants"))
     jobs = jobs if jobs is not None else settings.jobs
+    if memory is not None and (executor == "ray" or (jobs or 1) > 1):
+        raise ConfigError(
+            "a sweep over a model in memory runs its jobs in this process (jobs=1): worker "
+            "processes and Ray tasks build their variants from a config file's model"
+        )
+    if memory is not None:
+        jobs = 1
     if jobs is None:  # each worker imports torch and builds the model: not one per CPU of a big box
         jobs = max(1, min(os.cpu_count() or 1, len(specs), MAX_DEFAULT_JOBS))
     runner = make_executor(
@@ -177,23 +190,24 @@ def _spec(
     base: list[tuple[str, Any]],
     out: Path,
     check_numerics: bool,
+    search: bool = True,
 ) -> VariantSpec:
     """The variant's spec: the sweep's overrides, its directory, its own values, and the
-    numerics check on where its target has one (its SQNR is what a sweep compares)."""
+    numerics check on where its target declares one (``Target.numerics_option``: its SQNR is
+    what a sweep compares)."""
     from graphbuild.targets.registry import get_target
 
     overrides = [*base, ("output_dir", str(out)), *variant.overrides]
-    spec = VariantSpec(variant.name, config, str(cwd), tuple(overrides))
+    spec = VariantSpec(variant.name, config, str(cwd), tuple(overrides), search)
     if check_numerics:
         try:
             target = get_target(spec.load_config().target)
         except ConfigError as err:
             raise ConfigError(f"sweep variant {variant.name}: {err}") from err
-        if "check_numerics" in target.config_schema:
-            numerics = ("options.check_numerics", True)
-            spec = VariantSpec(
-                variant.name, config, str(cwd), (*base, numerics, *overrides[len(base) :])
-            )
+        if target.numerics_option is not None:
+            numerics = (f"options.{target.numerics_option}", True)
+            with_numerics = (*base, numerics, *overrides[len(base) :])
+            spec = VariantSpec(variant.name, config, str(cwd), with_numerics, search)
     return spec
 
 

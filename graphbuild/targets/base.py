@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BOOL",
     "INT",
+    "ExportFlag",
     "STR",
     "SPECS",
     "STRS",
@@ -68,6 +69,17 @@ SPECS = OptionType(
     ),
     imports=True,
 )
+
+
+@dataclass(frozen=True)
+class ExportFlag:
+    """A switch a target adds to ``graphbuild export``: ``--<name>`` turns on the boolean
+    option ``option``, as ``--set options.<option>=true`` would. The command line takes its
+    flags from the targets, so it names none of them; ``help`` is what ``--help`` says."""
+
+    name: str
+    option: str
+    help: str
 
 
 class Request(Protocol):
@@ -144,6 +156,10 @@ class Target:
     does not declare such a key ignores it. ``quantization_option`` names the option that picks
     this target's quantization in place of a ``[quantization]`` preset; when it is set, a
     preset meant for another target is ignored rather than refused.
+
+    ``export_flags`` are the switches the target adds to ``graphbuild export`` (qnn:
+    ``--check-htp``); ``numerics_option`` names the boolean option that turns on its numerics
+    check, which a sweep turns on to compare its variants (None: the target has none).
     """
 
     name: str
@@ -155,6 +171,8 @@ class Target:
     presets: tuple[str, ...] = ()
     top_level_options: tuple[str, ...] = ()
     quantization_option: str | None = None
+    export_flags: tuple[ExportFlag, ...] = ()
+    numerics_option: str | None = None
 
     def __post_init__(self) -> None:
         if not self.formats:
@@ -166,6 +184,13 @@ class Target:
             if key not in self.config_schema or key not in names:
                 raise ConfigError(
                     f"target '{self.name}': '{key}' must be an option in its config_schema"
+                )
+        switches = [f.option for f in self.export_flags]
+        for key in (*switches, *filter(None, [self.numerics_option])):
+            if self.config_schema.get(key) is not BOOL or key not in names:
+                raise ConfigError(
+                    f"target '{self.name}': '{key}' must be a true/false option in its "
+                    "config_schema"
                 )
 
     @property

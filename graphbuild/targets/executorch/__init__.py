@@ -29,6 +29,7 @@ TARGET = Target(
     config_schema=CONFIG_SCHEMA,
     top_level_options=("recipe",),  # recipe = "..." beside model, in a file shared with qnn
     quantization_option="recipe",
+    numerics_option="check_numerics",
 )
 
 __all__ = ["FORMATS", "RECIPES", "TARGET", "ExecuTorchOptions", "build_executorch_pipeline"]

@@ -23,6 +23,7 @@ TARGET = Target(
     build_pipeline=build_gguf_pipeline,
     config_schema=CONFIG_SCHEMA,
     presets=PRESETS,
+    numerics_option="check_numerics",
 )
 
 

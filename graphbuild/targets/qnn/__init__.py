@@ -9,7 +9,7 @@ the quantize stage runs, never to compute a key (see ``frontend.presets``).
 
 from __future__ import annotations
 
-from graphbuild.targets.base import Target, lazy_builder
+from graphbuild.targets.base import ExportFlag, Target, lazy_builder
 from graphbuild.targets.qnn.options import CONFIG_SCHEMA, FORMATS, PRESETS, QnnOnnxOptions
 
 build_qnn_pipeline = lazy_builder("graphbuild.targets.qnn.build", "build_qnn_pipeline")
@@ -25,6 +25,21 @@ TARGET = Target(
     build_pipeline=build_qnn_pipeline,
     config_schema=CONFIG_SCHEMA,
     presets=PRESETS,
+    export_flags=(
+        ExportFlag(
+            "strict-coverage",
+            "strict_coverage",
+            "Fail (exit 1) when the coverage report finds a tensor the device runs quantized "
+            "left float.",
+        ),
+        ExportFlag(
+            "check-htp",
+            "check_htp",
+            "Compile the export on Qualcomm's HTP backend (the htp extra) with CPU fallback "
+            "disabled and compare its outputs with onnxruntime's CPU.",
+        ),
+    ),
+    numerics_option="check_numerics",
 )
 
 __all__ = ["FORMATS", "TARGET", "QnnOnnxOptions", "build_qnn_pipeline"]

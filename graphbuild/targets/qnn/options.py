@@ -135,13 +135,15 @@ class QnnOnnxOptions:
         for key in ("input_names", "output_names", "htp_arch", "soc_model"):
             if ctx[key] is not None and not isinstance(ctx[key], (str, int)):
                 ctx[key] = list(ctx[key])
-        overrides = self.layer_overrides
+        overrides = self.layer_overrides or _own_overrides(self.quantizer)
         ctx["layer_overrides"] = dict(sorted(overrides.items())) if overrides else None
         # derived keys: what a stage reads, no more (a preset change keeps the placement;
         # a percentile change keeps the statistics)
         ctx["range"] = range_config(self.range_method, self.range_percentile, self.range_averaging)
         ctx["statistics"] = "histogram" if needs_histograms(ctx["range"]) else "minmax"
         ctx["quantizer_placement"] = _placement(self.quantizer)
+        # whether weight_stats records LPBQ block ranges: only an LPBQ preset pays for them
+        ctx["weight_blocks"] = _preset_name(self.quantizer) in LPBQ_PRESETS
         return ctx
 
 
@@ -173,10 +175,24 @@ def _check_llm_geometry(opts: QnnOnnxOptions) -> None:
             raise ConfigError(f"{key} must be a positive integer, not {value!r}")
 
 
+def _own_overrides(quantizer: Any) -> dict[str, str] | None:
+    """The ``layer_overrides`` a ``QnnQuantizer`` instance was made with, as the option writes
+    them: the preset's split reads them from the context (the option's, when set, win, as
+    they replace the instance's in PT2E)."""
+    own = getattr(quantizer, "layer_overrides", None)
+    if not own or _preset_name(quantizer) not in PRESETS:
+        return None
+    return {pattern: getattr(setting, "text", setting) for pattern, setting in own.items()}
+
+
+def _preset_name(quantizer: Any) -> Any:
+    return quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
+
+
 def _placement(quantizer: Any) -> Any:
     """What decides where quantizers sit: a built-in preset's placement (presets quantizing
     the same tensors share one), the quantizer itself otherwise."""
-    preset = quantizer if isinstance(quantizer, str) else getattr(quantizer, "preset", None)
+    preset = _preset_name(quantizer)
     if preset in PRESET_PLACEMENTS:
         return PRESET_PLACEMENTS[preset]
     return quantizer
@@ -217,13 +233,15 @@ def _check_names(key: str, names: Sequence[str] | None) -> None:
 #: The quantizer presets ``presets/quantizer.py`` registers, named here so that reading a
 #: config needs no torchao import (tests/test_targets.py checks the two agree).
 PRESETS: tuple[str, ...] = ("w8a8", "w8a16", "w4a16", "w4a16_lpbq")
+#: The presets whose linear weights are LPBQ.
+LPBQ_PRESETS: tuple[str, ...] = ("w4a16_lpbq",)
 #: ``ctx.quantizer_placement`` of each preset: presets quantizing the same tensors share one
 #: placement, and switching between them recomputes values only. A preset whose rules came
 #: to quantize other tensors would get a placement of its own here (``place_quantizers``
-#: refuses a shared one that does not hold, naming the tensors). ``w4a16_lpbq`` is not split:
-#: its blocked weight quantizers are PT2E observers of another kind, so it quantizes in one
-#: ``quantize`` stage (a change to or from it re-runs quantization).
-PRESET_PLACEMENTS: dict[str, str] = dict.fromkeys(("w8a8", "w8a16", "w4a16"), "qnn-presets")
+#: refuses a shared one that does not hold, naming the tensors). ``w4a16_lpbq`` shares it:
+#: its LPBQ weights are the same quantizers with block scales, computed as values from the
+#: weights' block statistics.
+PRESET_PLACEMENTS: dict[str, str] = dict.fromkeys(PRESETS, "qnn-presets")
 
 #: What a config file's ``[options]`` table may set for the qnn target.
 CONFIG_SCHEMA: dict[str, OptionType] = {

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.targets.qnn.arch.targets import SOC_MODELS, HtpTarget
-from graphbuild.targets.qnn.htp_runtime.capture import captured_output
 from graphbuild.targets.qnn.htp_runtime.errors import HtpUnavailableError
+from graphbuild.targets.qnn.htp_runtime.intercept import intercepted_output
 from graphbuild.targets.qnn.htp_runtime.partition import QNN_EP
 
 __all__ = [
@@ -71,7 +71,7 @@ def availability() -> Availability:
             f"onnxruntime-qnn {onnxruntime_qnn.__version__} has no HTP backend for "
             f"{sys.platform}/{platform.machine()} ({htp.name} missing); {INSTALL}",
         )
-    with _register_lock, captured_output():
+    with _register_lock, intercepted_output():
         try:
             if not qnn_devices(ort):
                 ort.register_execution_provider_library(QNN_EP, onnxruntime_qnn.get_library_path())

@@ -18,8 +18,8 @@ from graphbuild.targets.qnn.htp_runtime.backend import (
     qnn_devices,
     require_backend,
 )
-from graphbuild.targets.qnn.htp_runtime.capture import captured_output
 from graphbuild.targets.qnn.htp_runtime.errors import HtpRefusedError
+from graphbuild.targets.qnn.htp_runtime.intercept import intercepted_output
 from graphbuild.targets.qnn.htp_runtime.partition import (
     PartitionReport,
     error_lines,
@@ -53,7 +53,7 @@ class HtpSession:
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The model's outputs by name (what QNN logs meanwhile kept off the process's
         output: a session built verbose to read QNN's reasons stays verbose)."""
-        with captured_output():
+        with intercepted_output():
             results = self.session.run(None, dict(feeds))
         return dict(zip(self.output_names, results, strict=True))
 
@@ -97,7 +97,7 @@ def _create(
     provider_options: Mapping[str, str] | None = None,
     session_config: Mapping[str, str] | None = None,
 ) -> tuple[Any, PartitionReport | None, str, BaseException | None]:
-    """(session or None, partition or None, captured log, the error if it failed)."""
+    """(session or None, partition or None, intercepted log, the error if it failed)."""
     import onnxruntime as ort
 
     source = model if isinstance(model, bytes) else os.fspath(model)
@@ -112,12 +112,12 @@ def _create(
             session_config=session_config,
         )
         session = error = None
-        with captured_output() as captured:
+        with intercepted_output() as intercepted:
             try:
                 session = ort.InferenceSession(source, sess_options=options)
             except Exception as exc:  # onnxruntime's Fail / InvalidGraph / RuntimeException
                 error = exc
-        log = strip_ansi(captured[0]) if captured else ""
+        log = strip_ansi(intercepted[0]) if intercepted else ""
         partition = read_partition(session, log, json_dir) if session is not None else None
     return session, partition, log, error
 

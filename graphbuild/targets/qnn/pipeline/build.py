@@ -15,8 +15,11 @@ adds the HTP check to the others with ``check_htp``).
 Structure (capture, normalize, to_onnx, lower_markers, htp_view) never reads weight or quantizer
 values; values enter at qparams, bind and encodings (docs/design.md, invariant 5).
 
-This module wires the stages; they are in :mod:`.quantize` (the one-stage path),
-:mod:`.placement` and :mod:`.values` (a preset's split), :mod:`.lower` (the ONNX model),
+A built-in preset (with its ``layer_overrides`` and LPBQ) replaces ``[quantize] -> normalize``
+by its split: structure, statistics, values (:mod:`.placement`). This module wires the stages;
+they are in :mod:`.quantize` (the one-stage path: a model's own quantizers, another torchao
+quantizer, and the presets' test oracle), :mod:`.placement`, :mod:`.values` and
+:mod:`.site_rules` (a preset's split), :mod:`.lower` (the ONNX model),
 :mod:`.outputs` (encodings, coverage, numerics) and :mod:`.htp`.
 """
 
@@ -60,15 +63,16 @@ from graphbuild.targets.qnn.pipeline.quantize import (
 
 
 def build_qnn_pipeline(
-    request: Request, fmt: str | None = None, *, split: bool | None = None
+    request: Request, fmt: str | None = None, *, one_stage_oracle: bool = False
 ) -> Pipeline:
     """The reference plan of docs/design.md for ``qnn/onnx`` and ``qnn/onnx_qdq``. ``fmt`` picks
     the ONNX flavour when a custom format builds on this pipeline (default: the request's).
 
-    A built-in preset quantizes in three parts, structure, statistics and values
-    (:mod:`.placement`, :mod:`.values`); any other quantizer runs PT2E as one ``quantize`` stage.
-    ``split=False`` builds the one stage for a preset too: the reference the split is
-    checked against, byte for byte."""
+    A built-in preset, with its ``layer_overrides`` and LPBQ, quantizes in three parts,
+    structure, statistics and values (:mod:`.placement`, :mod:`.values`); any other quantizer
+    runs PT2E as one ``quantize`` stage. ``one_stage_oracle=True`` is for tests only: it
+    quantizes a preset in the one PT2E stage too, the oracle the split is checked against,
+    byte for byte. No product path sets it."""
     fmt = fmt or request.format
     if fmt not in ONNX_FORMATS:
         raise ConfigError(
@@ -80,9 +84,7 @@ def build_qnn_pipeline(
     p = Pipeline(name=f"{request.target}/{request.format}")
     cap = p.register_stage(capture, "capture", reads=("input.structure", "samples.spec"))
     quantized = opts.quantizer is not None
-    # layer_overrides change where quantizers sit: PT2E in one stage
-    default_split = _splits(opts.quantizer) and not opts.layer_overrides
-    split = quantized and (default_split if split is None else split)
+    split = quantized and _splits(opts.quantizer) and not one_stage_oracle
     if split:
         from graphbuild.targets.qnn.pipeline import values
 
@@ -126,7 +128,14 @@ def build_qnn_pipeline(
     if split:
         enc = p.register_stage(values.encodings, "encodings", reads=(*enc_reads, "ctx.range"))
         cov = p.register_stage(values.coverage, "coverage", reads=COVERAGE_READS).depends_on(
-            lower, view, qmap, qp, parts["placement"], parts["weight_stats"], parts["calibrate"]
+            lower,
+            view,
+            qmap,
+            qp,
+            parts["placement"],
+            parts["weight_stats"],
+            parts["calibrate"],
+            parts["left_float"],
         )
     else:
         enc = p.register_stage(encodings, "encodings", reads=enc_reads)
@@ -187,7 +196,8 @@ COVERAGE_READS = ("ctx.quantizer", "ctx.strict_coverage", "ctx.layer_overrides")
 
 def _splits(quantizer: Any) -> bool:
     """Whether ``quantizer`` is one of graphbuild's own presets (by name, unless a user
-    registered another under it, or as a ``QnnQuantizer``): those quantize in three parts."""
+    registered another under it, or as a ``QnnQuantizer``, whose own ``layer_overrides`` the
+    context carries): those quantize in three parts."""
     from graphbuild.frontend.presets import preset_entries
 
     if isinstance(quantizer, str):
@@ -197,7 +207,6 @@ def _splits(quantizer: Any) -> bool:
         preset is not None
         and type(quantizer) is preset.QnnQuantizer
         and quantizer.preset in PRESET_PLACEMENTS
-        and not getattr(quantizer, "layer_overrides", None)
     )
 
 
@@ -238,7 +247,8 @@ def _wire_normalize(p: Pipeline, cap: Any, quantized: bool) -> tuple:
 def wire_split_quantization(p: Pipeline, cap: StageRef) -> dict[str, StageRef]:
     """Register the structure, statistics and value stages after ``cap``; returns the
     stages the rest of the pipeline builds on (``marker_graph``, ``quant_map``, ``quant_sites``,
-    ``qparams``, ``placement``, ``fold_weights``, ``weight_stats``, ``calibrate``)."""
+    ``qparams``, ``placement``, ``fold_weights``, ``weight_stats``, ``calibrate``,
+    ``left_float``)."""
     from graphbuild.targets.qnn.pipeline.placement import (
         calibrate,
         fold_source,
@@ -261,7 +271,9 @@ def wire_split_quantization(p: Pipeline, cap: StageRef) -> dict[str, StageRef]:
     bn.depends_on(cap, layout)
     folded = p.register_stage(fold_weights, "fold_weights", reads=("input.state",))
     folded.depends_on(bn, layout)
-    weights = p.register_stage(weight_stats, "weight_stats", reads=("input.state",))
+    weights = p.register_stage(
+        weight_stats, "weight_stats", reads=("input.state", "ctx.weight_blocks")
+    )
     weights.depends_on(layout, folded)
     acts = p.register_stage(
         calibrate,
@@ -274,12 +286,13 @@ def wire_split_quantization(p: Pipeline, cap: StageRef) -> dict[str, StageRef]:
             "samples.values",
         ),
     ).depends_on(place, folded)
-    kept = p.register_stage(left_float, "left_float", reads=()).depends_on(layout, weights, acts)
+    kept = p.register_stage(left_float, "left_float", reads=("ctx.layer_overrides",))
+    kept.depends_on(layout, weights, acts)
     graph = p.register_stage(marker_graph, "marker_graph", reads=()).depends_on(place, kept)
-    qmap = p.register_stage(quant_map, "quant_map", reads=("ctx.quantizer",))
-    qmap.depends_on(layout, kept)
+    grids = ("ctx.quantizer", "ctx.layer_overrides")
+    qmap = p.register_stage(quant_map, "quant_map", reads=grids).depends_on(layout, kept)
     sites = p.register_stage(quant_sites, "quant_sites", reads=()).depends_on(layout, kept)
-    values = p.register_stage(qparams, "qparams", reads=("ctx.quantizer", "ctx.range"))
+    values = p.register_stage(qparams, "qparams", reads=(*grids, "ctx.range"))
     values.depends_on(layout, weights, acts, kept)
     return {
         "marker_graph": graph,
@@ -290,6 +303,7 @@ def wire_split_quantization(p: Pipeline, cap: StageRef) -> dict[str, StageRef]:
         "fold_weights": folded,
         "weight_stats": weights,
         "calibrate": acts,
+        "left_float": kept,
     }
 
 

@@ -27,7 +27,9 @@ invariant 13).
 This module holds the structure and statistics stages; the value stages, and the stages
 after them that read the placement or the statistics, are in :mod:`.values`; the wiring is
 :func:`~.build.wire_split_quantization`. The exported files are byte for byte those of the
-one-stage PT2E quantize (``build_qnn_pipeline(..., split=False)``), which tests check.
+one-stage PT2E quantize (``build_qnn_pipeline(..., one_stage_oracle=True)``, the tests'
+oracle), which tests check; ``layer_overrides`` and LPBQ apply as values
+(:mod:`.site_rules`).
 """
 
 from __future__ import annotations
@@ -77,18 +79,23 @@ def _describer(presets: tuple[str, ...]) -> Any:
 
 
 def _describe(quantizer: Any, prepared: Any, presets: tuple[str, ...]) -> dict[str, Any]:
-    from graphbuild.targets.qnn.presets.quantizer import observer_rules
+    """Per observer, the tensor it quantizes and each preset's rule for it (its group's)."""
+    from graphbuild.targets.qnn.presets.quantizer import observed_tensors, observer_rules
 
+    tensors = observed_tensors(quantizer, prepared)
     return {
         module: {
-            preset: {
-                "bits": rule.bits,
-                "symmetric": rule.symmetric,
-                "per_channel": rule.per_channel,
-                "fixed": list(rule.fixed) if rule.fixed is not None else None,
-                "min_scale": rule.min_scale,
-            }
-            for preset, rule in rules.items()
+            "tensor": tensors[module],
+            **{
+                preset: {
+                    "bits": rule.bits,
+                    "symmetric": rule.symmetric,
+                    "per_channel": rule.per_channel,
+                    "fixed": list(rule.fixed) if rule.fixed is not None else None,
+                    "min_scale": rule.min_scale,
+                }
+                for preset, rule in rules.items()
+            },
         }
         for module, rules in observer_rules(quantizer, prepared, presets).items()
     }
@@ -99,18 +106,19 @@ def place_quantizers(inputs: tuple, samples: Any, context: Any) -> tuple:
     placed on the captured program (one trace), with each preset's rules per observer."""
     from graphbuild.frontend.placement import place_quantizers as place
     from graphbuild.targets.qnn.options import presets_placed_as
-    from graphbuild.targets.qnn.presets.quantizer import QnnQuantizer
+    from graphbuild.targets.qnn.presets.quantizer import QnnQuantizer, placed_tensors
 
     (captured,) = inputs
     presets = presets_placed_as(context["quantizer_placement"])
+    quantizer = QnnQuantizer(presets[0])
     placement = place(
-        captured.program,
-        QnnQuantizer(presets[0]),
-        to_device(as_args(samples), "cpu"),
-        _describer(presets),
+        captured.program, quantizer, to_device(as_args(samples), "cpu"), _describer(presets)
     )
     program = roundtrip(ProgramArtifact(strip_state(placement.program)))
-    return program, {**placement.layout(), "presets": list(presets)}, placement.created
+    layout = {**placement.layout(), "presets": list(presets), **placed_tensors(quantizer)}
+    for site in layout["sites"]:  # the rules are its group's: a site keeps its tensor alone
+        site["settings"] = {"tensor": site["settings"]["tensor"]}
+    return program, layout, placement.created
 
 
 def placement(inputs: tuple, samples: Any, context: Any) -> tuple:
@@ -140,12 +148,24 @@ def fold_weights(inputs: tuple, samples: Any, context: Any) -> dict:
 
 
 def weight_stats(inputs: tuple, samples: Any, context: Any) -> dict:
-    """Statistics of the quantizers that read stored tensors: from the tensors alone."""
-    from graphbuild.frontend.statistics import static_statistics
+    """Statistics of the quantizers that read stored tensors: from the tensors alone; with
+    an LPBQ preset (``ctx.weight_blocks``), each block's range of the weights it may block
+    too (a layer override to ``w8`` then changes values only)."""
+    from graphbuild.frontend.statistics import block_statistics, static_statistics
+    from graphbuild.targets.qnn.presets.lpbq_weights import BLOCK_SIZE
 
     (layout, created), folded = inputs
     tensors = Overlay(folded, created, host_state(context.input))
-    return static_statistics(layout["sites"], layout["groups"], tensors)
+    stats = static_statistics(layout["sites"], layout["groups"], tensors)
+    if not context["weight_blocks"]:
+        return stats
+    lpbq = set(layout["lpbq"])
+    blocked = {
+        g["index"]
+        for g in layout["groups"]
+        if layout["tensors"][g["settings"]["tensor"]]["group"] in lpbq
+    }
+    return {**stats, **block_statistics(layout["sites"], blocked, tensors, BLOCK_SIZE)}
 
 
 def calibrate(inputs: tuple, samples: Any, context: Any) -> dict:
@@ -168,16 +188,19 @@ def calibrate(inputs: tuple, samples: Any, context: Any) -> dict:
 
 def left_float(inputs: tuple, samples: Any, context: Any) -> dict:
     """Which quantizers calibration leaves float (their values were not finite) and the qid
-    of every other site: the only way statistics reach the structure."""
+    of every other site that no ``layer_overrides`` entry leaves float: the only way
+    statistics and overrides reach the structure (cut off while the set does not change)."""
     from graphbuild.frontend.statistics import Statistics, observed_ranges
+    from graphbuild.targets.qnn.pipeline.site_rules import SiteRules
 
     (layout, _), weights, activations = inputs
     stats = Statistics(weights, activations)
     dropped, _ = observed_ranges(layout["sites"], layout["groups"], stats)
+    floated = SiteRules(layout, context["layer_overrides"]).floated()
     qids: list[int | None] = []
     kept = 0
     for site in layout["sites"]:
-        if site["index"] in dropped:
+        if site["index"] in dropped or site["index"] in floated:
             qids.append(None)
         else:
             qids.append(kept)

@@ -1,7 +1,11 @@
-"""The one-stage quantization of the qnn pipelines: PT2E whole in a ``quantize`` stage (when a
-quantizer is configured), then ``normalize`` finds the quantizers in the graph and puts
-markers in their place; ``quant_map``, ``qparams`` and ``marker_graph`` split what it found.
-A built-in preset quantizes in three parts instead (:mod:`.placement`, :mod:`.values`).
+"""The one-stage quantization of the qnn pipelines: PT2E whole in a ``quantize`` stage (a
+torchao quantizer other than the presets), then ``normalize`` finds the quantizers in the
+graph and puts markers in their place; ``quant_map``, ``qparams`` and ``marker_graph`` split
+what it found. A model's own quantizers go through ``normalize`` alone. A built-in preset,
+with its ``layer_overrides`` and LPBQ, quantizes in three parts instead (:mod:`.placement`,
+:mod:`.values`); ``quantize`` runs a preset only in the tests' oracle
+(``build_qnn_pipeline(..., one_stage_oracle=True)``), which the split must equal byte for
+byte.
 """
 
 from __future__ import annotations

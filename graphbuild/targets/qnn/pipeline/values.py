@@ -19,14 +19,11 @@ from graphbuild.frontend.programs import lifted_runner, with_state
 from graphbuild.quant.markers import MARKER_TARGET
 from graphbuild.quant.quantmap import QParams, QuantMap, QuantSpec, QuantValues
 from graphbuild.targets.qnn.pipeline.placement import Overlay
+from graphbuild.targets.qnn.pipeline.site_rules import SiteRules
 
 
 def _preset(quantizer: Any) -> str:
     return quantizer if isinstance(quantizer, str) else quantizer.preset
-
-
-def _rule(layout: Mapping[str, Any], group: int, preset: str) -> dict[str, Any]:
-    return layout["groups"][group]["settings"][preset]
 
 
 def _spec_of(rule: Mapping[str, Any], axis: int | None) -> Any:
@@ -46,10 +43,11 @@ def _spec_of(rule: Mapping[str, Any], axis: int | None) -> Any:
 
 
 def quant_map(inputs: tuple, samples: Any, context: Any) -> tuple:
-    """The preset's grid for every kept quantizer (and, as the one-stage path records it,
-    what calibration left float)."""
+    """The preset's grid for every kept quantizer, with ``layer_overrides`` and LPBQ applied
+    (and, as the one-stage path records it, what calibration left float)."""
     (layout, _), kept = inputs
-    return _quant_map(layout, kept, _preset(context["quantizer"]))
+    rules = SiteRules(layout, context["layer_overrides"])
+    return _quant_map(layout, kept, _preset(context["quantizer"]), rules)
 
 
 def quant_sites(inputs: tuple, samples: Any, context: Any) -> tuple:
@@ -59,16 +57,22 @@ def quant_sites(inputs: tuple, samples: Any, context: Any) -> tuple:
     byte for byte with the one-stage pipeline's for every preset: a lowering that read a
     grid would show there.)"""
     (layout, _), kept = inputs
-    return _quant_map(layout, kept, layout["presets"][0])
+    return _quant_map(layout, kept, layout["presets"][0], SiteRules(layout, None))
 
 
-def _quant_map(layout: Mapping[str, Any], kept: Mapping[str, Any], preset: str) -> tuple:
+def _quant_map(
+    layout: Mapping[str, Any], kept: Mapping[str, Any], preset: str, rules: SiteRules
+) -> tuple:
     specs = []
     for site, qid in zip(layout["sites"], kept["qids"], strict=True):
         if qid is None:
             continue
         group = layout["groups"][site["group"]]
-        spec = _spec_of(_rule(layout, site["group"], preset), group["axis"])
+        rule = rules.rule(site["group"], preset)
+        if rule["lpbq"]:
+            specs.append(_lpbq_spec(qid, site))
+            continue
+        spec = _spec_of(rule, group["axis"])
         per_channel = spec.qscheme in (torch.per_channel_symmetric, torch.per_channel_affine)
         axis = spec.ch_axis if per_channel else None
         kind = "channel" if per_channel else "tensor"
@@ -90,6 +94,27 @@ def _quant_map(layout: Mapping[str, Any], kept: Mapping[str, Any], preset: str) 
     if kept["left_float"]:
         doc["left_float"] = dict(kept["left_float"])
     return doc, {}
+
+
+def _lpbq_spec(qid: int, site: Mapping[str, Any]) -> QuantSpec:
+    """An LPBQ weight as ``normalize`` reads the one-stage program's blocked pair back."""
+    from graphbuild.targets.qnn.presets.lpbq_weights import BLOCK_SIZE, SCALE_BITS, lpbq_spec
+
+    spec = lpbq_spec()
+    return QuantSpec(
+        qid=qid,
+        bits=(spec.quant_max - spec.quant_min).bit_length(),
+        signed=True,
+        qmin=spec.quant_min,
+        qmax=spec.quant_max,
+        axis=1,
+        block_size=BLOCK_SIZE,
+        param=site["tensor"],
+        op="quantized_decomposed.quantize_per_channel_group.default",
+        node=site["source"],
+        symmetric=True,
+        block_scale_bits=SCALE_BITS,
+    )
 
 
 def _observer(spec: Any) -> Any:
@@ -116,15 +141,20 @@ def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
     (layout, _), weights, activations, kept = inputs
     stats = Statistics(weights, activations)
     preset = _preset(context["quantizer"])
+    rules = SiteRules(layout, context["layer_overrides"])
     sites = layout["sites"]
+    lpbq: dict[int, QParams] = {}
     static = static_groups(sites)
     observers: dict[str, tuple[Any, Any]] = {}  # one per distinct grid: only min/max differ
     ranges: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
     for site, qid in zip(sites, kept["qids"], strict=True):
         group = site["group"]
-        if qid is None or group in ranges:
+        if qid is None or group in ranges or group in lpbq:
             continue
-        rule, axis = _rule(layout, group, preset), layout["groups"][group]["axis"]
+        rule, axis = rules.rule(group, preset), layout["groups"][group]["axis"]
+        if rule["lpbq"]:
+            lpbq[group] = _lpbq_values(qid, site, weights, group)
+            continue
         grid = repr((sorted(rule.items()), axis))
         if grid not in observers:
             spec = _spec_of(rule, axis)
@@ -136,7 +166,7 @@ def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
             symmetric = spec.qscheme == torch.per_tensor_symmetric
             low, high = activation_range(stats, group, context["range"], steps, symmetric)
         ranges[group] = (grid, low, high)
-    values = _batched_qparams(ranges, observers)
+    values = {**_batched_qparams(ranges, observers), **lpbq}
     for group, (grid, low, high) in ranges.items():
         if group not in values:
             spec, observer = observers[grid]
@@ -145,6 +175,21 @@ def qparams(inputs: tuple, samples: Any, context: Any) -> dict:
     return QuantValues(
         {q: values[s["group"]] for s, q in zip(sites, kept["qids"], strict=True) if q is not None}
     ).to_tensors()
+
+
+def _lpbq_values(
+    qid: int, site: Mapping[str, Any], weights: Mapping[str, torch.Tensor], group: int
+) -> QParams:
+    """An LPBQ weight's values: its blocks' min/max (``weight_stats``) through the LPBQ
+    observer's arithmetic, read back as ``normalize`` reads the one-stage program's."""
+    from graphbuild.frontend.qvalues import lpbq_qparams
+    from graphbuild.frontend.statistics import block_range
+    from graphbuild.targets.qnn.presets.lpbq_weights import LpbqWeightObserver
+
+    observer = LpbqWeightObserver()
+    observer.min_val, observer.max_val = block_range(weights, group)
+    scale, zero_point = observer.calculate_qparams()
+    return lpbq_qparams(_lpbq_spec(qid, site), scale.to(torch.float32), zero_point)
 
 
 def _batched_qparams(
@@ -217,9 +262,12 @@ def coverage(inputs: tuple, samples: Any, context: Any) -> dict:
     from graphbuild.frontend.statistics import Statistics, observed_ranges
     from graphbuild.targets.qnn.pipeline.outputs import coverage as report
 
-    lowered, structure, (qmap, fixed), qvalues, (layout, _), weights, activations = inputs
+    lowered, structure, (qmap, fixed), qvalues, (layout, _), weights, activations, kept = inputs
     stats = Statistics(weights, activations)
     _, degenerate = observed_ranges(layout["sites"], layout["groups"], stats)
+    sites = zip(layout["sites"], kept["qids"], strict=True)
+    quantized = {site["source"] for site, qid in sites if qid is not None}
+    degenerate = {k: v for k, v in degenerate.items() if k in quantized}  # none overridden
     doc = dict(qmap)
     if degenerate:
         doc["degenerate"] = dict(sorted(degenerate.items()))
@@ -261,6 +309,10 @@ def _quantize_dequantize(x: torch.Tensor, spec: QuantSpec, value: QParams) -> to
 
     qd = torch.ops.quantized_decomposed
     dtype = (_SIGNED if spec.signed else _UNSIGNED)[spec.bits]
+    if spec.block_size is not None:  # LPBQ: torch's blocked pair, as the LPBQ observer writes
+        args = (value.scale, value.zero_point, spec.qmin, spec.qmax, dtype, spec.block_size)
+        q = qd.quantize_per_channel_group(x, *args)
+        return qd.dequantize_per_channel_group(q, *args, torch.float32)
     if spec.axis is None:
         args = (float(value.scale), int(value.zero_point), spec.qmin, spec.qmax, dtype)
         return qd.dequantize_per_tensor(qd.quantize_per_tensor(x, *args), *args)

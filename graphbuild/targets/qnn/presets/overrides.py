@@ -28,7 +28,7 @@ import ast
 import fnmatch
 import re
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +41,11 @@ if TYPE_CHECKING:
 __all__ = [
     "LayerSetting",
     "apply_layer_overrides",
+    "float_reason",
+    "match_setting",
     "module_path",
     "onnx_tensor_modules",
+    "overridden_bits",
     "parse_layer_overrides",
     "tensor_modules",
 ]
@@ -158,41 +161,64 @@ def apply_layer_overrides(
 ) -> tuple[Plan, dict[str, str], dict[str, str]]:
     """``rules`` with ``overrides`` applied: the new plan, the tensors left float (name ->
     why) and the tensors given other bits (name -> which override)."""
-    weight_bits, activation_bits = preset_bits
     out = dict(rules.rules)
     floated: dict[str, str] = {}
     changed: dict[str, str] = {}
     for tensor, rule in rules.rules.items():
         if not rule.quantized:
             continue
-        matched = {
-            pattern: setting
-            for pattern, setting in overrides.items()
-            if any(fnmatch.fnmatchcase(m, pattern) for m in modules.get(tensor, ()))
-        }
-        if not matched:
+        found = match_setting(tensor, modules.get(tensor, ()), overrides)
+        if found is None:
             continue
-        if len({s.text for s in matched.values()}) > 1:
-            shown = ", ".join(f"'{p}' = {s.text!r}" for p, s in sorted(matched.items()))
-            where = ", ".join(sorted(modules.get(tensor, ())))
-            raise ConfigError(
-                f"layer_overrides: tensor '{tensor}' (module {where}) is matched by {shown}; "
-                "make the patterns not overlap or give them the same setting"
-            )
-        pattern, setting = next(iter(sorted(matched.items())))
+        pattern, setting = found
         if setting.float:
-            why = f"layer override '{pattern}': float"
+            why = float_reason(pattern)
             out[tensor] = replace(rule, quantized=False, why=why)
             floated[tensor] = why
             continue
-        bits = rule.bits
-        if rule.param and setting.weight_bits is not None and rule.bits == weight_bits:
-            bits = setting.weight_bits
-        elif (
-            not rule.param and setting.activation_bits is not None and rule.bits == activation_bits
-        ):
-            bits = setting.activation_bits
+        bits = overridden_bits(rule.bits, rule.param, setting, preset_bits)
         if bits != rule.bits:
             out[tensor] = replace(rule, bits=bits)
             changed[tensor] = f"layer override '{pattern}': {setting.text}"
     return Plan(out, rules.producers), floated, changed
+
+
+def match_setting(
+    tensor: str, modules: Iterable[str], overrides: Mapping[str, LayerSetting]
+) -> tuple[str, LayerSetting] | None:
+    """The (pattern, setting) of ``overrides`` that matches a tensor of ``modules``, or None;
+    a ConfigError naming both when two patterns with different settings match it."""
+    paths = sorted(modules)
+    matched = {
+        pattern: setting
+        for pattern, setting in overrides.items()
+        if any(fnmatch.fnmatchcase(m, pattern) for m in paths)
+    }
+    if not matched:
+        return None
+    if len({s.text for s in matched.values()}) > 1:
+        shown = ", ".join(f"'{p}' = {s.text!r}" for p, s in sorted(matched.items()))
+        raise ConfigError(
+            f"layer_overrides: tensor '{tensor}' (module {', '.join(paths)}) is matched by "
+            f"{shown}; make the patterns not overlap or give them the same setting"
+        )
+    return next(iter(sorted(matched.items())))
+
+
+def float_reason(pattern: str) -> str:
+    """Why a tensor an override leaves float is float."""
+    return f"layer override '{pattern}': float"
+
+
+def overridden_bits(
+    bits: int, param: bool, setting: LayerSetting, preset_bits: tuple[int, int]
+) -> int:
+    """A quantizer's bit-width under ``setting``: a weight's where it has the preset's weight
+    bit-width, an activation's where it has the preset's activation bit-width (LayerNorm
+    weights' 8 bits and fixed ranges keep theirs)."""
+    weight_bits, activation_bits = preset_bits
+    if param and setting.weight_bits is not None and bits == weight_bits:
+        return setting.weight_bits
+    if not param and setting.activation_bits is not None and bits == activation_bits:
+        return setting.activation_bits
+    return bits

@@ -34,6 +34,7 @@ from torchao.quantization.pt2e.quantizer import (
 
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.frontend.quantize import register_preset, resolve_attr
+from graphbuild.targets.qnn.options import LPBQ_PRESETS
 from graphbuild.targets.qnn.presets.lpbq_weights import SCALE_BITS, lpbq_spec, takes_lpbq
 from graphbuild.targets.qnn.presets.observers import quantization_spec
 from graphbuild.targets.qnn.presets.overrides import (
@@ -51,7 +52,9 @@ __all__ = [
     "activation_spec",
     "is_preset_quantizer",
     "lpbq_block_scale_bits",
+    "observed_tensors",
     "observer_rules",
+    "placed_tensors",
     "preset_bits",
     "weight_spec",
     "with_layer_overrides",
@@ -73,7 +76,7 @@ _PRESET_BITS: dict[str, _Bits] = {
     "w4a16_lpbq": _Bits(weight=4, activation=16),
 }
 #: presets whose linear weights are LPBQ (block scale bits)
-_LPBQ_PRESETS: dict[str, int] = {"w4a16_lpbq": SCALE_BITS}
+_LPBQ_PRESETS: dict[str, int] = dict.fromkeys(LPBQ_PRESETS, SCALE_BITS)
 
 PRESETS: tuple[str, ...] = tuple(_PRESET_BITS)
 
@@ -152,7 +155,7 @@ class QnnQuantizer(Quantizer):
         view, rules = self.plan(model)
         annotator = _Annotator(model, view, rules, lpbq=self.lpbq)
         annotator.run()
-        self.placed = _Placed(view, rules, dict(annotator.placed))
+        self.placed = _Placed(view, rules, dict(annotator.placed), annotator.lpbq_ready())
         return model
 
     def validate(self, model: GraphModule) -> None:
@@ -205,15 +208,21 @@ class _Annotator:
                 _annotated=True,
             )
 
+    def lpbq_ready(self) -> frozenset[str]:
+        """The quantized weights an LPBQ preset gives LPBQ blocks where they are int4."""
+        rules = self.rules.quantized()
+        return frozenset(t for t, r in rules.items() if r.group == t and self._takes_lpbq(t, r))
+
+    def _takes_lpbq(self, tensor: str, rule: TensorRule) -> bool:
+        axis = self._axis(tensor) if rule.per_channel else None
+        return (
+            axis is not None and takes_lpbq(self._shape(tensor), axis) and not self._biased(tensor)
+        )
+
     def _spec(self, tensor: str, rule: TensorRule) -> QuantizationSpecBase:
         axis = self._axis(tensor) if rule.per_channel else None
-        if (
-            self.lpbq
-            and rule.bits == 4  # LPBQ weights are int4 (a layer override to w8 is not LPBQ)
-            and axis is not None
-            and takes_lpbq(self._shape(tensor), axis)
-            and not self._biased(tensor)
-        ):
+        # LPBQ weights are int4 (a layer override to w8 is not LPBQ)
+        if self.lpbq and rule.bits == 4 and self._takes_lpbq(tensor, rule):
             return lpbq_spec()
         if rule.per_channel and axis is None:
             return quantization_spec(rule.bits, symmetric=rule.symmetric)
@@ -298,6 +307,7 @@ class _Placed:
     view: AtenView
     rules: Plan
     spots: dict[tuple[str, str], str]
+    lpbq: frozenset[str] = frozenset()
 
 
 def observer_rules(
@@ -308,16 +318,25 @@ def observer_rules(
     same tensors with other bit-widths and symmetries, so one placement serves them all and
     a preset change recomputes values only (docs/design.md, invariant 13). An
     :class:`ExportError` names a tensor the presets would place differently."""
-    placed: _Placed | None = getattr(quantizer, "placed", None)
-    if placed is None:
-        raise ExportError("observer_rules: the quantizer has not annotated a graph yet")
+    placed = _placed(quantizer)
     plans = {}
     for name in presets:
         weight_bits, activation_bits = preset_bits(name)
         plans[name] = plan(placed.view.view, weight_bits, activation_bits)
     _check_same_placement(placed.rules, plans)
-    modules = dict(prepared.named_modules(remove_duplicate=False))
     out: dict[str, dict[str, TensorRule]] = {}
+    for observer, tensor in observed_tensors(quantizer, prepared).items():
+        owner = placed.rules[tensor].group
+        out[observer] = {name: p[owner] for name, p in plans.items()}
+    return out
+
+
+def observed_tensors(quantizer: QnnQuantizer, prepared: GraphModule) -> dict[str, str]:
+    """For every observer module of ``prepared`` (``prepare_pt2e`` with ``quantizer``), the
+    tensor of the HTP rules it quantizes: what a layer override matches it by."""
+    placed = _placed(quantizer)
+    modules = dict(prepared.named_modules(remove_duplicate=False))
+    out: dict[str, str] = {}
     for node in prepared.graph.nodes:
         if node.op != "call_module" or not isinstance(modules[node.target], ObserverBase):
             continue
@@ -326,9 +345,33 @@ def observer_rules(
         tensor = next((placed.spots[s] for s in spots if s in placed.spots), None)
         if tensor is None:
             raise ExportError(f"observer_rules: no tensor was placed at '{source.name}'")
-        owner = placed.rules[tensor].group
-        out.setdefault(str(node.target), {name: p[owner] for name, p in plans.items()})
+        out.setdefault(str(node.target), tensor)
     return out
+
+
+def placed_tensors(quantizer: QnnQuantizer) -> dict[str, Any]:
+    """What the values of a placement need to apply ``layer_overrides`` and LPBQ without
+    placing again: every tensor the rules quantize with its modules, whether it is a weight
+    and the tensor whose encoding it shares (``tensors``), and the weights that take LPBQ
+    blocks in an LPBQ preset (``lpbq``)."""
+    placed = _placed(quantizer)
+    modules = tensor_modules(placed.view)
+    tensors = {
+        tensor: {
+            "modules": sorted(modules.get(tensor, ())),
+            "param": rule.param,
+            "group": rule.group,
+        }
+        for tensor, rule in sorted(placed.rules.quantized().items())
+    }
+    return {"tensors": tensors, "lpbq": sorted(placed.lpbq)}
+
+
+def _placed(quantizer: QnnQuantizer) -> _Placed:
+    placed: _Placed | None = getattr(quantizer, "placed", None)
+    if placed is None:
+        raise ExportError("observer_rules: the quantizer has not annotated a graph yet")
+    return placed
 
 
 def _check_same_placement(reference: Plan, plans: dict[str, Plan]) -> None:

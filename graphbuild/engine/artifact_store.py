@@ -1,10 +1,10 @@
 """The cache a run uses: artifacts over the byte cache.
 
-:class:`Cache` is :class:`~graphbuild.cache.store.ByteCache` (manifests, blobs, records,
+:class:`Cache` is :class:`~graphbuild.cache.byte_store.ByteCache` (manifests, blobs, records,
 maintenance) plus what only the engine knows: how a stage output is encoded into blobs and a
 manifest (:mod:`graphbuild.engine.codecs`), and how a hit is decoded back, each blob verified
 as it is read. An entry that cannot be decoded is removed and becomes a miss
-(:class:`~graphbuild.cache.store.CorruptEntry`), never an error.
+(:class:`~graphbuild.cache.byte_store.CorruptEntry`), never an error.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from collections import OrderedDict
 from typing import Any
 
 from graphbuild.cache.base import CorruptBlob
-from graphbuild.cache.leases import LeaseHolding
-from graphbuild.cache.manifest import without_bytes
-from graphbuild.cache.store import (
+from graphbuild.cache.byte_store import (
     ByteCache,
     CacheEntry,
     CacheStats,
     CorruptEntry,
     MaintenanceReport,
 )
+from graphbuild.cache.leases import LeaseHolding
+from graphbuild.cache.manifest import without_bytes
 from graphbuild.engine.codecs import Encoded, decode
 
 __all__ = ["Cache", "CacheEntry", "CacheStats", "CorruptEntry", "MaintenanceReport"]

@@ -17,7 +17,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
-__all__ = ["captured_output"]
+__all__ = ["intercepted_output"]
 
 _lock = threading.Lock()
 
@@ -28,7 +28,7 @@ def _flush_c_stdio() -> None:
 
 
 @contextlib.contextmanager
-def captured_output() -> Iterator[list[str]]:
+def intercepted_output() -> Iterator[list[str]]:
     """Everything written to file descriptors 1 and 2 meanwhile, as one text appended to the
     yielded list when the block ends."""
     got: list[str] = []

@@ -11,7 +11,7 @@ Explain records and placement stamps are checked for shape: a malformed one is n
 It knows manifests and blobs, never what an artifact decodes to: which blobs an entry holds
 is read from its manifest (:func:`~graphbuild.cache.manifest.blob_refs`), so maintenance
 (stats, prune, gc, verify) and every backend work without a codec. The engine's
-:class:`~graphbuild.engine.store.Cache` adds the artifacts (encode on store, decode on load).
+:class:`~graphbuild.engine.artifact_store.Cache` adds the artifacts (encode on store, decode on load).
 """
 
 from __future__ import annotations
