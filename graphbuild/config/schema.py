@@ -62,7 +62,7 @@ _TABLES: dict[str, dict[str, OptionType]] = {
 
 
 def _size_ok(value: Any) -> bool:
-    from graphbuild.engine.concurrent import parse_memory
+    from graphbuild.engine.sizes import parse_memory
 
     try:
         parse_memory(value)

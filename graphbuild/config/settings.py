@@ -371,7 +371,7 @@ def _build(
         _split(quant["quantizer"], "quantization.quantizer")
     model = table.get("model")
     name = table.get("model_name") or (_stem(model) if model else None)
-    from graphbuild.engine.concurrent import parse_memory  # checked by _validate
+    from graphbuild.engine.sizes import parse_memory  # checked by _validate
 
     cache = table.get("cache", {})
     build = table.get("build", {})
