@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from graphbuild.engine.artifact_store import Cache
+from graphbuild.engine.concurrent import build_resources
 from graphbuild.engine.events import RunReport, StageEvent
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.engine.plan import plan
@@ -55,6 +56,8 @@ class ExportRequest:
     force: Iterable[str] | bool = ()
     listeners: Iterable[Callable[[StageEvent], None]] = ()
     check_fingerprints: bool = False
+    jobs: int | None = None
+    memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.format is None:
@@ -220,6 +223,7 @@ def export_with_pipeline(
     if request.verbose:
         listeners.append(_print_event)
     context = request.context()
+    jobs, memory = build_resources(request.jobs, request.memory, pipeline.parallel_safe)
     t0 = time.perf_counter()
     result = pipeline.run(
         request.model,
@@ -231,6 +235,8 @@ def export_with_pipeline(
         run_id=request.run_id(),
         check=request.check_fingerprints,
         background_writes=True,  # the cache is written while the files are placed
+        jobs=jobs,
+        memory=memory,
     )
     for name, stage in pipeline.reports.items():  # what the pipeline declares
         if stage in result.outputs:
@@ -292,13 +298,19 @@ def export(
     force: Iterable[str] | bool = (),
     listeners: Iterable[Callable[[StageEvent], None]] = (),
     check_fingerprints: bool = False,
+    jobs: int | None = None,
+    memory: int | None = None,
 ) -> ExportArtifacts:
     """Export ``model`` (traced on ``data``) to ``output_directory/model_name.*``.
 
     ``cache``: a Cache, a path, a shared cache URL (``redis://host:port/db``, layered behind
     the default directory), None for the default location, False for none.
     ``check_fingerprints`` recomputes every stage that hits and fails loudly when its output
-    differs from the cached one (graphbuild's own test of its cache keys)."""
+    differs from the cached one (graphbuild's own test of its cache keys). ``jobs``: stages
+    built at once (independent ones: an LLM's parts), within ``memory`` bytes of what they
+    declare they hold (None: one at a time; 0: one per core; memory None: most of the free
+    memory; docs/parallel-builds.md), for a pipeline whose stages may run at once (the llm
+    format's); others run one at a time."""
     return export_with_pipeline(
         ExportRequest(
             model=model,
@@ -315,6 +327,8 @@ def export(
             force=force,
             listeners=listeners,
             check_fingerprints=check_fingerprints,
+            jobs=jobs,
+            memory=memory,
         )
     )
 

@@ -7,6 +7,7 @@ import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -29,6 +30,7 @@ from graphbuild.cli.options import (
     SetOpt,
     TargetOpt,
     build_request,
+    cli_overrides,
     load_cli_config,
     open_cache,
 )
@@ -123,6 +125,31 @@ def export(
         ),
     ] = False,
     as_json: JsonOpt = False,
+    jobs: Annotated[
+        str | None,
+        typer.Option(
+            "--jobs",
+            "-j",
+            help="Stages built at once (an LLM's parts): a count or 'auto' (one per core; "
+            "default: [build] jobs, else 1). Formats that do not declare their stages safe to "
+            "run at once build one at a time.",
+            metavar="N",
+        ),
+    ] = None,
+    executor: Annotated[
+        str,
+        typer.Option(
+            "--executor",
+            help="local (threads, -j) or ray: the stages as Ray tasks on a cluster that shares "
+            "the cache (the ray extra; --cache-url for a shared Redis).",
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address", help="The Ray cluster (host:port, or auto); none: a local one."
+        ),
+    ] = None,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Only errors and the files written.")
     ] = False,
@@ -171,11 +198,19 @@ def export(
     request, pipeline = build_request(cfg, cache, listeners=[] if as_json else [progress])
     request.force = _forced(force, pipeline)
     request.check_fingerprints = check_fingerprints
+    request.jobs, request.memory = _jobs(jobs, cfg.build_jobs), cfg.build_memory
     quiet_stdout = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     t0 = time.perf_counter()
     try:
         with quiet_stdout, progress:
-            artifacts = export_with_pipeline(request)
+            if executor == "ray":
+                flags = dict(target=target, format=format, model=model, name=name, sets=sets)
+                overrides = cli_overrides(Path.cwd(), output_dir=output_dir, **flags)
+                artifacts = _on_cluster(cfg, cache, cache_url, ray_address, progress, overrides)
+            elif executor != "local":
+                raise ConfigError(f"--executor must be local or ray, got {executor!r}")
+            else:
+                artifacts = export_with_pipeline(request)
     except StageError as err:
         report = getattr(err, "report", None)
         if report is not None and not as_json and not quiet:
@@ -193,6 +228,7 @@ def export(
                 "seconds": report.seconds,
                 "seconds_saved": report.seconds_saved,
                 "stages": [stage_json(s) for s in report.stages],
+                "timeline": report.timeline,
                 "files": files,
                 "reports": json_safe(report.extra),
             }
@@ -207,6 +243,39 @@ def export(
         console.print(Text(f"  {line}"))
     for kind, shown in _file_lines(files):
         console.print(Text(f"  {kind:<10} {shown}"))
+
+
+def _on_cluster(
+    cfg: Any, cache: Any, url: str | None, address: str | None, progress: Any, overrides: list
+) -> Any:
+    """The export's stages as Ray tasks (:mod:`graphbuild.sweeps.cluster`), then placed here."""
+    from graphbuild.cli.options import resolve_cache_url
+    from graphbuild.sweeps.cluster import export_on_cluster
+
+    if cache is None:
+        raise ConfigError("--executor ray hands artifacts over through the cache: drop --no-cache")
+    done = export_on_cluster(
+        cfg.source,
+        Path.cwd(),
+        overrides,
+        cache,
+        cache_url=resolve_cache_url(url, cfg),
+        ray_address=address,
+        listeners=[progress],
+    )
+    return done.artifacts
+
+
+def _jobs(given: str | None, configured: int | None) -> int | None:
+    """``-j`` (a count or ``auto``: 0, one per core) over ``[build] jobs``; None: one at a
+    time."""
+    if given is None:
+        return configured
+    if given == "auto":
+        return 0
+    if not given.isdigit() or int(given) < 1:
+        raise ConfigError(f"--jobs must be a positive count or 'auto', got {given!r}")
+    return int(given)
 
 
 def _file_lines(files: Mapping[str, str]) -> list[tuple[str, str]]:

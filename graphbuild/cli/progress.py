@@ -1,7 +1,9 @@
 """Live progress of a run: one line per stage, from the scheduler's event stream.
 
 On a terminal a spinner while a stage runs and a coloured line per finished stage; elsewhere (a
-pipe, a CI log) the same lines without spinners or colour.
+pipe, a CI log) the same lines without spinners or colour. A build with ``-j`` > 1 shows a
+line per running stage (the stage names its part: ``p2.token.to_onnx``) with the worker that
+runs it, and each finished line names its worker.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Progress:
         self.live = console.is_terminal and not quiet
         self._status: Any = None
         self._skipped: list[StageEvent] = []
+        self._running: dict[str, str] = {}  # stage -> worker, for a build with jobs > 1
 
     def __enter__(self) -> Progress:
         if self.live:
@@ -61,8 +64,14 @@ class Progress:
         kind = event.kind.value
         if kind == "started":
             why = f" ({event.reason})" if event.reason else ""
+            if event.worker:
+                self._running[event.stage] = event.worker
+                self._spin(self._running_lines())
+                return
             self._spin(f"[bold]{event.stage}[/] running…{_escape(why)}")
             return
+        if kind != "loaded" and self._running.pop(event.stage, None) is not None:
+            self._spin(self._running_lines() or "working…")
         if kind == "loaded":
             self._spin(f"loaded {event.stage} from the cache")
             return
@@ -76,7 +85,14 @@ class Progress:
             return
         self._flush_skipped()
         self.console.print(self.line(event))
-        self._spin("working…")
+        self._spin(self._running_lines() or "working…")
+
+    def _running_lines(self) -> str:
+        """One line per running stage, with its worker."""
+        return "\n".join(
+            f"[bold]{stage}[/] running… [dim]on {_escape(worker)}[/]"
+            for stage, worker in self._running.items()
+        )
 
     def _flush_skipped(self) -> None:
         """Stages skipped after a failure, on one line: the failure is what matters."""
@@ -103,6 +119,8 @@ class Progress:
         text.append(f"{kind:<7}", style=style if self.live else "")
         if kind in ("ran", "failed"):
             text.append(f" {event.seconds:7.2f} s")
+            if event.worker:
+                text.append(f"  on {event.worker}", style="dim" if self.live else "")
         detail = event.reason
         if kind == "failed" and event.error is not None:
             detail = f"{type(event.error).__name__}: {first_line(event.error)[0]}"

@@ -28,6 +28,7 @@ _TOP: dict[str, OptionType] = {
     "cache": _TABLE,
     "quantization": _TABLE,
     "options": _TABLE,
+    "build": _TABLE,
     "sweep": _TABLE,  # read by `graphbuild sweep` (graphbuild.sweeps), which checks it
     "targets": _TABLE,  # [targets.<name>]: one target's own keys (graphbuild.config.targets)
 }
@@ -45,7 +46,30 @@ _CACHE: dict[str, OptionType] = {
     "readonly": BOOL,
     "lease_seconds": _SECONDS,
 }
-_TABLES: dict[str, dict[str, OptionType]] = {"quantization": _QUANTIZATION, "cache": _CACHE}
+# [build]: jobs (stages at once: a count, or "auto": one per core) and memory (the bytes the
+# running stages may declare at once: a count, "8GiB"-style, or "auto": most of what is free)
+_BUILD: dict[str, OptionType] = {
+    "jobs": OptionType(
+        'a positive integer or "auto"',
+        lambda v: v == "auto" or isinstance(v, int) and not isinstance(v, bool) and v > 0,
+    ),
+    "memory": OptionType('a size ("8GiB", bytes) or "auto"', lambda v: _size_ok(v)),
+}
+_TABLES: dict[str, dict[str, OptionType]] = {
+    "quantization": _QUANTIZATION,
+    "cache": _CACHE,
+    "build": _BUILD,
+}
+
+
+def _size_ok(value: Any) -> bool:
+    from graphbuild.engine.sizes import parse_memory
+
+    try:
+        parse_memory(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _top_keys() -> dict[str, OptionType]:

@@ -75,6 +75,10 @@ class Config:
     cache_url: str | None = None
     cache_readonly: bool = False
     cache_lease_seconds: float | None = None
+    #: ``[build]``: stages at once (None: unset, one at a time; 0: "auto", one per core) and
+    #: their memory budget in bytes (None: "auto")
+    build_jobs: int | None = None
+    build_memory: int | None = None
     preset: str | None = None
     quantizer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -388,7 +392,10 @@ def _build(
         _split(quant["quantizer"], "quantization.quantizer")
     model = table.get("model")
     name = table.get("model_name") or (_stem(model) if model else None)
+    from graphbuild.engine.sizes import parse_memory  # checked by _validate
+
     cache = table.get("cache", {})
+    build = table.get("build", {})
     cache_dir = table.get("cache_dir")
     if cache_dir is not None and cache.get("dir", cache_dir) != cache_dir:
         raise ConfigError(
@@ -421,6 +428,8 @@ def _build(
         cache_url=cache.get("url") or None,
         cache_readonly=cache.get("readonly", False),
         cache_lease_seconds=cache.get("lease_seconds"),
+        build_jobs=0 if build.get("jobs") == "auto" else build.get("jobs"),
+        build_memory=parse_memory(build.get("memory", "auto")),
         preset=quant.get("preset"),
         quantizer=quant.get("quantizer"),
         options=options,

@@ -36,6 +36,9 @@ class StageEvent:
     seconds: float = 0.0
     reason: str | None = None
     error: BaseException | None = None
+    #: where it happened, ``pid/thread`` (``pid/main``: the calling thread), or a cluster
+    #: worker's name; empty from a sequential run
+    worker: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class RunReport:
     stages: list[StageRecord]
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: where and when each stage settled: ``stage``, ``worker``, ``start`` and ``end`` (seconds
+    #: from the run's start) and ``status``, by start time
+    timeline: list[dict[str, Any]] = field(default_factory=list)
 
     def __getitem__(self, name: str) -> StageRecord:
         for s in self.stages:
@@ -113,5 +119,6 @@ class RunReport:
             "run_id": self.run_id,
             "seconds": self.seconds,
             "stages": [s.to_json() for s in self.stages],
+            "timeline": list(self.timeline),
             **self.extra,
         }

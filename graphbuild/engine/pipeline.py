@@ -54,6 +54,19 @@ class Stage:
     rematerialize: bool = False
 
 
+@dataclass(frozen=True)
+class Cost:
+    """What one run of a stage holds while it runs, as the concurrent scheduler budgets it:
+    ``memory`` bytes (an estimate: the weights it reads and what it makes of them),
+    ``cores`` (threads' worth of the ``jobs`` it takes) and ``exclusive``: nothing else runs
+    beside it (``torch.export`` swaps fake tensors into the model it traces while it runs, so
+    no other stage may read that model meanwhile)."""
+
+    memory: int = 0
+    cores: int = 1
+    exclusive: bool = False
+
+
 def _check_reads(name: str, reads: Iterable[str] | None) -> tuple[str, ...] | None:
     if reads is None:
         return None
@@ -72,6 +85,9 @@ def _check_reads(name: str, reads: Iterable[str] | None) -> tuple[str, ...] | No
                 f"or one of: {', '.join(FACETS)}"
             )
     return out
+
+
+_NO_COST = Cost()
 
 
 class StageRef:
@@ -119,6 +135,10 @@ class Pipeline:
         #: report name -> stage whose output an export puts in ``RunReport.extra`` under that
         #: name (numerics, delegation summaries: what a user reads besides the files)
         self.reports: dict[str, str] = {}
+        #: its stages may run at once (``jobs`` > 1): each declared what it holds and those
+        #: that must run alone said so (:meth:`declare_cost`); a build of any other pipeline
+        #: runs its stages one at a time whatever ``jobs`` it is given
+        self.parallel_safe = False
 
     # ----------------------------------------------------------------- building
 
@@ -144,6 +164,24 @@ class Pipeline:
         )
         self.graph.add_node(name, stage=stage, index=next(self._order))
         return StageRef(self, name)
+
+    def declare_cost(
+        self, name: StageRef | str, *, memory: int = 0, cores: int = 1, exclusive: bool = False
+    ) -> None:
+        """Declare what stage ``name`` holds while it runs (:class:`Cost`): a build with
+        ``jobs`` > 1 admits it only while the declared memory of the running stages fits the
+        build's budget. Not part of any key."""
+        name = _name(name)
+        self._stage(name)
+        if memory < 0 or cores < 1:
+            raise PipelineError(
+                f"stage '{name}': memory >= 0 and cores >= 1, got {memory}, {cores}"
+            )
+        self.graph.nodes[name]["cost"] = Cost(int(memory), int(cores), bool(exclusive))
+
+    def cost(self, name: str) -> Cost:
+        """What stage ``name`` declared it holds while it runs (nothing: 0 bytes, 1 core)."""
+        return self.graph.nodes[name].get("cost") or _NO_COST
 
     def get_stage(self, name: str) -> StageRef:
         self._stage(name)
@@ -320,10 +358,13 @@ class Pipeline:
         run_id: str | None = None,
         check: Iterable[str] | bool = (),
         background_writes: bool = False,
+        jobs: int = 1,
+        memory: int | None = None,
     ) -> RunResult:
         """Build: run the dirty stages, take the rest from ``cache`` (None: no cache).
         ``check`` names stages to recompute on a hit and compare (the fingerprints' test);
-        ``background_writes``: return before the cache writes end (``RunResult.wait_for_cache``).
+        ``background_writes``: return before the cache writes end (``RunResult.wait_for_cache``);
+        ``jobs``: stages at once, within ``memory`` bytes of their declared costs.
         """
         from graphbuild.engine.scheduler import run_pipeline
 
@@ -338,6 +379,8 @@ class Pipeline:
             run_id=run_id or self.name,
             check=check,
             background_writes=background_writes,
+            jobs=jobs,
+            memory=memory,
         )
 
     def __call__(self, module: Any, sample_inputs: Any = ()) -> tuple[dict, dict]:

@@ -13,10 +13,8 @@ stage are :mod:`~graphbuild.engine.guard`, the background writes
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
@@ -26,11 +24,14 @@ from graphbuild.engine import digest_memo, source_memo
 from graphbuild.engine.artifact_store import Cache, CorruptEntry
 from graphbuild.engine.checking import check_mode
 from graphbuild.engine.codecs import encode
+from graphbuild.engine.concurrent import record_timeline, run_concurrently
 from graphbuild.engine.events import Change, EventKind, RunReport, StageEvent, StageRecord
 from graphbuild.engine.explain import explain_changes
 from graphbuild.engine.fingerprint import InputFacets, verify_reused_digests
+from graphbuild.engine.gc_scope import collecting_what_the_run_allocates
 from graphbuild.engine.guard import InputToken, StageContext, Tokens, check_inputs, input_tokens
 from graphbuild.engine.keying import Keys, plan_reads
+from graphbuild.engine.outputs import LazyOutputs, RunResult
 from graphbuild.engine.rebuild import decide
 from graphbuild.engine.status import StageStatus
 from graphbuild.engine.toolchain import codec_files, codec_names, toolchain_versions
@@ -63,6 +64,10 @@ __all__ = [
 ]
 
 
+def _no_lock(*_: Any) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
 class _Run:
     """One build of one pipeline: the scheduler's loop and lazy loading. It holds the
     pipeline's :class:`Keys` (each stage's key and readings) and asks the rebuilder's decision
@@ -82,6 +87,8 @@ class _Run:
         targets: Iterable[str] | None = None,
         expect_keys: Mapping[str, str] | None = None,
         facets: InputFacets | None = None,
+        jobs: int = 1,
+        memory: int | None = None,
     ):
         order = pipeline.order()
         self.force_all = force is True
@@ -108,11 +115,18 @@ class _Run:
         self.listeners = list(listeners)
         self.writer = CacheWriter(cache) if cache is not None else None
         self.ran_order: list[str] = []
-        self.failure: StageError | None = None
+        self.failure: StageError | None = None  # the last in the order, as run() ends
+        self.failures: dict[str, StageError] = {}
         # set when a stage edited an upstream output in place: that value is no longer what
         # its digest says, so no other stage may read it; the run stops
         self.stopped: str | None = None
         self.tokens = Tokens()  # the input guard's tokens, reused from stage to stage
+        self.jobs, self.memory = jobs, memory
+        # sequential: no lock to leave while a stage computes, none per stage to take;
+        # :func:`~graphbuild.engine.concurrent.run_concurrently` installs real ones
+        self.unlocked: Callable[[], contextlib.AbstractContextManager[Any]] = _no_lock
+        self.stage_lock: Callable[[str], contextlib.AbstractContextManager[Any]] = _no_lock
+        self.timeline: list[dict[str, Any]] = []  # filled by the concurrent runner
 
     def emit(self, event: StageEvent) -> None:
         for listener in self.listeners:
@@ -122,42 +136,52 @@ class _Run:
 
     def run(self) -> RunReport:
         t0 = time.perf_counter()
-        for name in self.order:
-            st = self.keys.begin(name)
-            deps = self.pipeline.dependencies(name)
-            blocked = [
-                d
-                for d in deps
-                if self.states[d].record.status in (StageStatus.FAILED, StageStatus.SKIPPED)
-            ]
-            if self.stopped is not None:
-                st.record.status = StageStatus.SKIPPED
-                st.record.reason = f"the run stopped: stage '{self.stopped}' edited its input"
-                self.emit(StageEvent(EventKind.SKIPPED, name, reason=st.record.reason))
-                continue
-            if blocked:
-                st.record.status = StageStatus.SKIPPED
-                st.record.reason = f"upstream '{blocked[0]}' did not complete"
-                self.emit(StageEvent(EventKind.SKIPPED, name, reason=st.record.reason))
-                continue
-            key = self.keys.compute_key(name)
-            st.record.key = key
-            self._check_expected(name, key)
-            if self.cache is None or key is None or self._forced(name):
-                self._execute(name)
-                continue
-            claimed = self._claim(name, key)
-            if claimed is None:  # a hit: now, or once another process built it
-                if name in self.check:
-                    self._check_hit(name)
-                continue
-            lease, reason = claimed
-            self._execute(name, reason=reason, lease=lease)
+        if self.jobs > 1:
+            run_concurrently(self, self.jobs, self.memory)
+        else:
+            for name in self.order:
+                start = time.perf_counter() - t0
+                self.step(name)
+                record_timeline(self, name, start, time.perf_counter() - t0)
         return RunReport(
             self.run_id,
             [self.states[n].record for n in self.order],
             time.perf_counter() - t0,
+            timeline=self.timeline,
         )
+
+    def step(self, name: str) -> None:
+        """Settle stage ``name`` (its upstream stages settled): skipped, a hit, or run."""
+        st = self.keys.begin(name)
+        deps = self.pipeline.dependencies(name)
+        blocked = [
+            d
+            for d in deps
+            if self.states[d].record.status in (StageStatus.FAILED, StageStatus.SKIPPED)
+        ]
+        if self.stopped is not None:
+            st.record.status = StageStatus.SKIPPED
+            st.record.reason = f"the run stopped: stage '{self.stopped}' edited its input"
+            self.emit(StageEvent(EventKind.SKIPPED, name, reason=st.record.reason))
+            return
+        if blocked:
+            st.record.status = StageStatus.SKIPPED
+            st.record.reason = f"upstream '{blocked[0]}' did not complete"
+            self.emit(StageEvent(EventKind.SKIPPED, name, reason=st.record.reason))
+            return
+        key = self.keys.compute_key(name)
+        st.record.key = key
+        self._check_expected(name, key)
+        if self.cache is None or key is None or self._forced(name):
+            self._execute(name)
+            return
+        claimed = self._claim(name, key)
+        if claimed is None:  # a hit: now, or once another process built it
+            if name in self.check:
+                self._check_hit(name)
+            return
+        lease, reason = claimed
+        self._execute(name, reason=reason, lease=lease)
 
     def finish_writes(self) -> None:
         """Wait for the cache writes of this run, then keep the cache within its size."""
@@ -214,7 +238,8 @@ class _Run:
                     self.emit(
                         StageEvent(EventKind.WAITING, name, key, reason=f"{holder} is building it")
                     )
-                time.sleep(pause)
+                with self.unlocked():
+                    time.sleep(pause)
                 pause = min(pause * 1.5, 0.25)
 
     def _recompute(self, name: str) -> tuple[Any, str]:
@@ -231,7 +256,8 @@ class _Run:
         again, and inputs it changed are an :class:`InputMutationError`."""
         before = self._snapshots(name, inputs, ctx)
         try:
-            value = stage.fn(inputs, self.samples, ctx)
+            with self.unlocked():
+                value = stage.fn(inputs, self.samples, ctx)
         except BaseException:
             self.tokens.forget(t.value for t in before)
             raise
@@ -283,7 +309,7 @@ class _Run:
         rec.seconds = time.perf_counter() - t0
         if isinstance(err, InputMutationError):
             self.stopped = name
-        self.failure = StageError(name, err, tuple(self.ran_order))
+        self.failure = self.failures[name] = StageError(name, err, tuple(self.ran_order))
         self.emit(StageEvent(EventKind.FAILED, name, rec.key, rec.seconds, rec.reason, err))
         return self.failure
 
@@ -308,6 +334,12 @@ class _Run:
     def load(self, name: str) -> Any:
         """A stage's output, loading (and verifying) it from the cache if needed; a corrupt
         entry is rebuilt."""
+        if self.states[name].has_value:
+            return self.states[name].value
+        with self.stage_lock(name):  # one thread loads it; the others wait for its value
+            return self._load(name)
+
+    def _load(self, name: str) -> Any:
         st = self.states[name]
         if st.has_value:
             return st.value
@@ -317,7 +349,8 @@ class _Run:
             return self._rematerialize(name)
         t0 = time.perf_counter()
         try:
-            value = self.cache.load(st.manifest)  # type: ignore[union-attr]
+            with self.unlocked():
+                value = self.cache.load(st.manifest)  # type: ignore[union-attr]
         except CorruptEntry as err:
             st.manifest = None
             self._execute(name, reason=f"cache entry was corrupt ({err}); rebuilt")
@@ -388,7 +421,8 @@ class _Run:
         t0 = time.perf_counter()
         try:
             value = self._call(name, stage, inputs, ctx)
-            encoded = encode(value)
+            with self.unlocked():
+                encoded = encode(value)
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as err:
@@ -467,66 +501,6 @@ class _Run:
         return self.keys.why(name, key)
 
 
-class LazyOutputs(Mapping[str, Any]):
-    """Stage outputs by name, loaded from the cache only when asked for."""
-
-    def __init__(self, run: _Run, names: Iterable[str]):
-        self._run = run
-        self._names = [
-            n
-            for n in names
-            if run.states[n].record.status in (StageStatus.RAN, StageStatus.HIT, StageStatus.CUTOFF)
-        ]
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self._names:
-            raise KeyError(name)
-        return self._run.load(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-
-@dataclass
-class RunResult:
-    """What ``Pipeline.run`` returns: lazily loaded ``outputs`` of every stage, the
-    ``captured`` ones (``capture_stage_output=True``), and the ``report``. A run with
-    ``background_writes`` may still be storing outputs: :meth:`wait_for_cache` waits for
-    that (and raises what a write raised)."""
-
-    outputs: Mapping[str, Any]
-    captured: Mapping[str, Any]
-    report: RunReport
-    _finish: Callable[[], None] | None = field(default=None, repr=False)
-
-    def wait_for_cache(self) -> None:
-        finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
-
-
-@contextlib.contextmanager
-def _collecting_what_the_run_allocates() -> Iterator[None]:
-    """While the run lasts, the garbage collector leaves alone the objects that existed before
-    it (``gc.freeze``) and collects what the run allocates as usual. A process that imported
-    torch and transformers and built a model holds millions of objects; each full collection
-    the run's allocations set off would walk them all, for nothing (a warm run's keys are
-    small objects that die young): in a fresh CLI process that was most of a warm export's own
-    time. Afterwards everything is collectable again. A process that freezes objects itself
-    is left to do so."""
-    if gc.get_freeze_count() or not gc.isenabled():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def run_pipeline(
     pipeline: Pipeline,
     pipeline_input: Any,
@@ -542,6 +516,8 @@ def run_pipeline(
     targets: Iterable[str] | None = None,
     expect_keys: Mapping[str, str] | None = None,
     facets: InputFacets | None = None,
+    jobs: int = 1,
+    memory: int | None = None,
 ) -> RunResult:
     """Run ``pipeline``; raises :class:`StageError` (with ``.report``) when a stage fails.
     Stages named in ``check`` (or all, with True) are recomputed even on a hit and must
@@ -552,7 +528,10 @@ def run_pipeline(
     ``targets``: build only these stages and what they need. ``expect_keys``: the key each
     named stage must have here (a stage planned by another process), else
     :class:`KeyMismatchError` before anything runs. ``facets``: readings of this input and
-    samples to share with other runs over the same, unchanging objects."""
+    samples to share with other runs over the same, unchanging objects. ``jobs``: stages run
+    at once, on threads, those whose upstream stages are done (:mod:`.concurrent`), within
+    ``memory`` bytes of what they declare (:meth:`Pipeline.declare_cost`); the keys, outputs
+    and report are those of a sequential run."""
     run = _Run(
         pipeline,
         pipeline_input,
@@ -566,10 +545,12 @@ def run_pipeline(
         targets,
         expect_keys,
         facets,
+        jobs,
+        memory,
     )
     digest_memo.begin_run()  # a tensor is hashed once in the run; earlier digests: see there
     try:
-        with check_mode(bool(run.check)), _collecting_what_the_run_allocates():
+        with check_mode(bool(run.check)), collecting_what_the_run_allocates():
             if run.check:
                 verify_reused_digests()
             report = run.run()

@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import os
 import warnings
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +133,7 @@ class RayJobs:
         address: str | None,
         *,
         max_retries: int = 3,
+        resources: Callable[[StageJob], Mapping[str, Any]] | None = None,
     ):
         try:
             import ray
@@ -147,9 +149,12 @@ class RayJobs:
         self.task = ray.remote(max_retries=max_retries, retry_exceptions=False, num_cpus=1)(
             _ray_job
         )
+        self.resources = resources  # a job's Ray resource requests (num_cpus, memory)
 
     def submit(self, job: StageJob) -> Future[JobResult]:
-        return self.task.remote(self.shared, job).future()
+        wanted = dict(self.resources(job)) if self.resources is not None else {}
+        task = self.task.options(**wanted) if wanted else self.task
+        return task.remote(self.shared, job).future()
 
     def close(self) -> None:  # idempotent
         if self.started:

@@ -33,6 +33,7 @@ from graphbuild.targets.qnn.llm import bundle, htp_bundle, stages
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.bundle import CPU
 from graphbuild.targets.qnn.llm.check import check_generation, check_generation_htp
+from graphbuild.targets.qnn.llm.costs import declare_part_costs, part_bytes
 from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
 from graphbuild.targets.qnn.llm.include import include_part
 from graphbuild.targets.qnn.llm.parts import FLOAT
@@ -109,17 +110,21 @@ def build_llm_pipeline(request: Request) -> Pipeline:
         ).depends_on(plan)
         for index in range(1, len(specs) + 1)
     ]
+    lm = find_causal_lm(model)
+    held = {i: part_bytes(layout.part_module(lm, i)) for i in range(1, len(specs) + 1)}
     graphs_of: dict[int, list[StageRef]] = {}
     static_graphs, coverages, graph_names = [], [], []
     if static:
         static_graphs, coverages, graph_names = _add_static_graphs(
-            p, sub_request, layout, plan, states, graphs_of
+            p, sub_request, layout, plan, states, graphs_of, held
         )
     products = [] if float_cpu else [g.name for g in static_graphs]
     files = set() if float_cpu else {f"{CPU}/{name}.onnx" for name in graph_names}
     rope = None
     if float_cpu:
-        float_graphs, float_coverages = _add_float_graphs(p, sub_request, layout, plan, states)
+        float_graphs, float_coverages = _add_float_graphs(
+            p, sub_request, layout, plan, states, held
+        )
         if not static:
             coverages = float_coverages
             graph_names = [layout.graph_name(s.index, FLOAT) for s in specs]
@@ -160,6 +165,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
         products.append(tok.name)
         files |= {f"{f}/{name}" for f in folders for name in (TOKENIZER, TOKENIZER_CONFIG)}
     p.products = products
+    p.parallel_safe = True  # the parts' stages declared their costs; the tracing ones run alone
     p.output_files = frozenset(files)
     return p
 
@@ -171,6 +177,7 @@ def _add_static_graphs(
     plan: StageRef,
     states: list[StageRef],
     graphs_of: dict[int, list[StageRef]],
+    held: dict[int, int],
 ) -> tuple[list[StageRef], list[str], list[str]]:
     """Each part's prompt and token graphs, with the integer KV cache their calibration
     ranges give (``llm_generation``, ``p<i>.kv``); fills ``graphs_of`` (part -> graphs).
@@ -189,6 +196,7 @@ def _add_static_graphs(
         ),
         rematerialize=True,
     ).depends_on(plan)
+    p.declare_cost(generation, memory=sum(held.values()))
     graphs, coverages, names_out = [], [], []
     for index, state in enumerate(states, start=1):
         kv = p.register_stage(
@@ -206,6 +214,7 @@ def _add_static_graphs(
             ).depends_on(plan)
             sub = build_qnn_pipeline(sub_request, "onnx_qdq")
             names = include_part(p, sub, index, kind, view, state, batches)
+            declare_part_costs(p, names, held[index])
             graph = p.register_stage(
                 functools.partial(stages.kv_graph, index, kind),
                 f"p{index}.{kind}.graph",
@@ -219,7 +228,12 @@ def _add_static_graphs(
 
 
 def _add_float_graphs(
-    p: Pipeline, sub_request: Any, layout: LlmPlan, plan: StageRef, states: list[StageRef]
+    p: Pipeline,
+    sub_request: Any,
+    layout: LlmPlan,
+    plan: StageRef,
+    states: list[StageRef],
+    held: dict[int, int],
 ) -> tuple[list[StageRef], list[str]]:
     """Each part's float graph (``p<i>.float.*``): the part traced with dynamic lengths and
     genai's default cache layout, bound to its weights; nothing calibrates. Returns the graph
@@ -234,6 +248,7 @@ def _add_float_graphs(
         sub = build_qnn_pipeline(sub_request, "onnx_qdq")
         replaced = {"capture": stages.capture_float}
         names = include_part(p, sub, index, FLOAT, view, state, None, replaced)
+        declare_part_costs(p, names, held[index])
         graph = p.register_stage(
             functools.partial(stages.float_graph, index), f"p{index}.{FLOAT}.graph", reads=()
         ).depends_on(names["bind"], view)

@@ -153,6 +153,13 @@ def kv_graph(index: int, kind: str, inputs: tuple, samples: Any, context: Any) -
     return {f"{CPU}/{plan.graph_name(index, kind)}.onnx": bound}
 
 
+def _canonical(entry: Any) -> Any:
+    """``entry`` with a dict's keys in sorted order: a report built here and the same report
+    read back from the cache (which stores a dict's keys sorted) print alike, so the summary
+    is the same whichever process built the part graphs."""
+    return {k: entry[k] for k in sorted(entry)} if isinstance(entry, dict) else entry
+
+
 def coverage_summary(
     names: tuple[str, ...], inputs: tuple, samples: Any, context: Any
 ) -> dict[str, Any]:
@@ -165,7 +172,7 @@ def coverage_summary(
         expected += int(report.get("expected", 0))
         quantized += int(report.get("quantized", 0))
         graphs[name] = report.get("summary", "")
-        left += [f"{name}: {t}" for t in report.get("float", [])]
+        left += [f"{name}: {_canonical(t)}" for t in report.get("float", [])]
     summary = (
         f"{quantized}/{expected} tensors quantized as QNN HTP runs them in {len(graphs)} graphs"
     )

@@ -1,0 +1,34 @@
+"""What the LLM export's stages hold while they run, for a build with ``jobs`` > 1.
+
+A part graph's stages each declare the bytes of the part's own weights as they are held in
+memory (what they read and what they make of them: the captured program, the bound graph),
+so a memory budget admits as many parts at once as fit. The stages that trace run alone:
+``capture`` traces the part module with ``torch.export``, which swaps fake tensors into that
+module (and the layers it shares with the causal LM) while it runs, so no other stage may read
+the model meanwhile; ``quantize`` and ``place_quantizers`` trace again, and ``to_onnx``'s
+decompositions register Python kernels process-wide (two at once fail: "Trying to override a
+python impl ... on operator aten::fft_ifft2").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from graphbuild.engine.pipeline import Pipeline
+
+#: The part graph's stages that trace (sub-pipeline names): torch.export and torch.onnx are
+#: not safe to run in two threads at once.
+TRACING = frozenset({"capture", "quantize", "place_quantizers", "to_onnx"})
+
+
+def part_bytes(module: Any) -> int:
+    """Bytes of ``module``'s parameters and buffers as they are held now."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def declare_part_costs(p: Pipeline, names: Mapping[str, str], weight_bytes: int) -> None:
+    """Declare the costs of one part graph's stages (``names``: sub-pipeline name -> name)."""
+    for sub_name, name in names.items():
+        p.declare_cost(name, memory=weight_bytes, exclusive=sub_name in TRACING)

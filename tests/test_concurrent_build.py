@@ -1,0 +1,181 @@
+"""One build's independent stages at once (``jobs``): the keys, outputs and report of a
+sequential run, stages overlapping in time, within the declared memory budget."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from graphbuild.engine.artifact_store import Cache
+from graphbuild.engine.events import EventKind
+from graphbuild.engine.pipeline import Pipeline
+from graphbuild.errors import PipelineError, StageError
+from tests.engine_helpers import DECODES, Box, Recorder, reset
+
+#: bytes each part stage declares, and what it is doing now (measured inside the stages)
+PART_BYTES = 100
+RUNNING = {"bytes": 0, "peak": 0}
+LOCK = threading.Lock()
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    reset()
+    RUNNING.update(bytes=0, peak=0)
+    yield
+    reset()
+
+
+def _source(model, samples, ctx):
+    return Box(f"source {ctx['seed']}")
+
+
+def _part(index):
+    def part(inputs, samples, ctx):
+        with LOCK:
+            RUNNING["bytes"] += PART_BYTES
+            RUNNING["peak"] = max(RUNNING["peak"], RUNNING["bytes"])
+        try:
+            time.sleep(0.3)  # releases the GIL, as torch kernels and child processes do
+            if ctx["fail"] == index:
+                raise ValueError(f"part {index} fails")
+            return Box(f"{inputs[0].text} / part {index}")
+        finally:
+            with LOCK:
+                RUNNING["bytes"] -= PART_BYTES
+
+    return part
+
+
+def _join(inputs, samples, ctx):
+    return Box(" + ".join(b.text for b in inputs))
+
+
+def _pipeline(parts: int = 4, memory: int | None = PART_BYTES) -> Pipeline:
+    """``source`` -> ``p1``..``pN`` (independent, each declaring ``memory``) -> ``join``."""
+    p = Pipeline(name="parts")
+    p.register_stage(_source, "source", reads=("ctx.seed",))
+    names = []
+    for i in range(1, parts + 1):
+        ref = p.register_stage(_part(i), f"p{i}", reads=("ctx.fail",)).depends_on("source")
+        if memory:
+            p.declare_cost(ref, memory=memory)
+        names.append(ref.name)
+    p.register_stage(_join, "join", reads=()).depends_on(*names)
+    return p
+
+
+def _run(p, cache, jobs=1, memory=None, **ctx):
+    rec = Recorder()
+    result = p.run(
+        None,
+        (),
+        context={"seed": 1, "fail": 0, **ctx},
+        cache=cache,
+        listeners=[rec],
+        jobs=jobs,
+        memory=memory,
+    )
+    return result, rec
+
+
+def _overlapping(timeline, names) -> int:
+    """The most of ``names`` whose timeline spans overlap at one instant."""
+    spans = [(e["start"], e["end"]) for e in timeline if e["stage"] in names]
+    return max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
+
+
+def test_two_jobs_give_the_sequential_runs_keys_outputs_and_report(tmp_path):
+    seq, _ = _run(_pipeline(), Cache(tmp_path / "seq"))
+    par, _ = _run(_pipeline(), Cache(tmp_path / "par"), jobs=2)
+
+    assert par.outputs["join"] == seq.outputs["join"]
+    for a, b in zip(seq.report.stages, par.report.stages, strict=True):
+        assert (a.name, a.status, a.key, a.digest) == (b.name, b.status, b.key, b.digest)
+    assert par.report.ran == seq.report.ran == ["source", "p1", "p2", "p3", "p4", "join"]
+
+
+def test_independent_stages_overlap_in_time_and_the_timeline_says_where(tmp_path):
+    seq, _ = _run(_pipeline(memory=None), Cache(tmp_path / "seq"))
+    par, rec = _run(_pipeline(memory=None), Cache(tmp_path / "par"), jobs=4)
+
+    parts = {"p1", "p2", "p3", "p4"}
+    assert _overlapping(seq.report.timeline, parts) == 1
+    assert _overlapping(par.report.timeline, parts) == 4
+    assert RUNNING["peak"] == 4 * PART_BYTES
+    assert par.report.seconds < seq.report.seconds - 0.5  # 4 x 0.3 s in about 0.3 s
+    workers = {e["worker"] for e in par.report.timeline if e["stage"] in parts}
+    assert len(workers) == 4
+    started = [e for e in rec.events if e.kind is EventKind.STARTED]
+    assert all(e.worker for e in started)
+    assert par.report.to_json()["timeline"] == par.report.timeline
+
+
+def test_the_memory_budget_bounds_what_runs_at_once(tmp_path):
+    result, _ = _run(_pipeline(), Cache(tmp_path / "c"), jobs=4, memory=2 * PART_BYTES + 50)
+
+    assert RUNNING["peak"] == 2 * PART_BYTES  # measured inside the stages
+    assert _overlapping(result.report.timeline, {"p1", "p2", "p3", "p4"}) == 2
+    assert result.report.ran == ["source", "p1", "p2", "p3", "p4", "join"]
+
+
+def test_a_stage_over_the_budget_runs_alone_rather_than_never(tmp_path):
+    result, _ = _run(_pipeline(), Cache(tmp_path / "c"), jobs=4, memory=PART_BYTES // 2)
+
+    assert RUNNING["peak"] == PART_BYTES
+    assert result.report["join"].status == "ran"
+
+
+def test_a_failed_stage_skips_its_dependents_and_reports_as_a_sequential_run(tmp_path):
+    with pytest.raises(StageError) as seq:
+        _run(_pipeline(), Cache(tmp_path / "seq"), fail=2)
+    with pytest.raises(StageError) as par:
+        _run(_pipeline(), Cache(tmp_path / "par"), jobs=3, fail=2)
+
+    assert par.value.stage == seq.value.stage == "p2"
+    assert par.value.report.statuses == seq.value.report.statuses
+    assert par.value.report["join"].reason == "upstream 'p2' did not complete"
+
+
+def test_a_hit_two_concurrent_stages_need_is_loaded_once(tmp_path):
+    cache = Cache(tmp_path / "c")
+    _run(_pipeline(), cache, jobs=4)
+    DECODES.clear()
+
+    result, rec = _run(_pipeline(), cache, jobs=4, fail=-1)  # every part reruns, source hits
+
+    assert result.report["source"].status == "hit"
+    assert rec.of(EventKind.LOADED) == ["source"]
+    assert DECODES == ["source 1"]
+
+
+def test_a_warm_run_with_jobs_is_all_hits(tmp_path):
+    cache = Cache(tmp_path / "c")
+    _run(_pipeline(), cache, jobs=2)
+    result, _ = _run(_pipeline(), cache, jobs=2)
+
+    assert result.report.ran == []
+    assert len(result.report.hits) == 6
+    assert result.outputs["p3"] == Box("source 1 / part 3")  # loaded after the run
+
+
+def test_a_declared_cost_must_be_a_size_and_a_core_count():
+    p = _pipeline(memory=None)
+    with pytest.raises(PipelineError, match="memory >= 0"):
+        p.declare_cost("p1", memory=-1)
+    assert p.cost("p1").memory == 0 and p.cost("p1").cores == 1
+
+
+def test_an_exclusive_stage_runs_with_nothing_beside_it(tmp_path):
+    p = _pipeline(memory=None)
+    p.declare_cost("p2", exclusive=True)
+
+    result, _ = _run(p, Cache(tmp_path / "c"), jobs=4)
+
+    timeline = {e["stage"]: (e["start"], e["end"]) for e in result.report.timeline}
+    start, end = timeline["p2"]
+    others = [s for s in ("p1", "p3", "p4") if timeline[s][0] < end and start < timeline[s][1]]
+    assert others == []
+    assert _overlapping(result.report.timeline, {"p1", "p3", "p4"}) >= 2

@@ -1,0 +1,98 @@
+"""An LLM export's parts built at once (``jobs``): the files, lock and stage runs of a
+sequential export, byte for byte."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphbuild as gb
+from graphbuild.api import LOCK_FILE, ExportRequest, build_pipeline
+from graphbuild.engine.codecs import encode, roundtrip
+from graphbuild.engine.events import StageStatus
+from graphbuild.targets.qnn.llm.stages import coverage_summary
+from tests.llm_models import PROMPT, causal_lm
+
+pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
+
+GEOMETRY = dict(prompt_len=4, context_len=32, parts=4)
+
+
+def _export(model, out: Path, cache: Path, **kwargs):
+    return gb.export(
+        model,
+        (torch.tensor([PROMPT]),),
+        out,
+        "lm",
+        target="qnn",
+        format="llm",
+        options=GEOMETRY,
+        cache=cache,
+        **kwargs,
+    )
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow  # two cold exports of four parts: about 100 s on two cores
+def test_four_parts_with_two_jobs_give_the_sequential_files_lock_and_runs(tmp_path: Path) -> None:
+    model = causal_lm("llama", layers=4)
+    seq = _export(model, tmp_path / "seq", tmp_path / "cache-seq")
+    par = _export(model, tmp_path / "par", tmp_path / "cache-par", jobs=2)
+
+    seq_files, par_files = _files(tmp_path / "seq"), _files(tmp_path / "par")
+    assert sorted(par_files) == sorted(seq_files)
+    assert LOCK_FILE in par_files
+    for name, data in seq_files.items():
+        assert par_files[name] == data, f"{name} differs between -j 1 and -j 2"
+    ran = [s.name for s in seq.report.stages if s.status is StageStatus.RAN]
+    assert [s.name for s in par.report.stages if s.status is StageStatus.RAN] == ran
+    assert {f"p{i}.prompt.capture" for i in range(1, 5)} <= set(ran)
+    for a, b in zip(seq.report.stages, par.report.stages, strict=True):
+        assert (a.name, a.key, a.digest) == (b.name, b.key, b.digest)
+    parts = [e for e in par.report.timeline if e["stage"].endswith(".capture")]
+    assert len({e["worker"] for e in parts}) == 2  # the two threads each built parts
+
+
+def test_the_coverage_summary_reads_alike_from_reports_built_here_or_read_from_the_cache():
+    """The part graphs' coverage reports reach ``coverage`` fresh (built in this process) or
+    decoded from the cache (a worker built them), where a dict's keys come back sorted."""
+    fresh = {
+        "expected": 2,
+        "quantized": 1,
+        "summary": "1/2 tensors",
+        "float": [{"tensor": "add_1", "op": "Add", "reason": "the model has no quantizer here"}],
+    }
+    stored = roundtrip(fresh)
+    assert list(stored["float"][0]) != list(fresh["float"][0])  # the cache's order
+
+    def summary(report):
+        return coverage_summary(("g",), (report,), None, None)
+
+    assert summary(stored) == summary(fresh)
+    assert encode(summary(stored)).digest == encode(summary(fresh)).digest
+
+
+@pytest.mark.slow  # a cold export of four parts: about a minute on two cores
+def test_a_budget_of_one_part_never_runs_two_parts_weights_at_once(tmp_path: Path) -> None:
+    model = causal_lm("llama", layers=4)
+    data = (torch.tensor([PROMPT]),)
+    request = ExportRequest(
+        model, data, tmp_path / "out", "lm", target="qnn", format="llm", options=GEOMETRY
+    )
+    pipeline = build_pipeline(request)
+    costs = {name: pipeline.cost(name).memory for name in pipeline.order()}
+    budget = max(m for name, m in costs.items() if name.startswith("p"))  # the largest part
+    assert sum(1 for m in costs.values() if m) > 4 * 2  # every part graph's stages declare
+
+    artifacts = _export(model, tmp_path / "out", tmp_path / "cache", jobs=4, memory=budget)
+
+    spans = [(e["start"], e["end"], costs[e["stage"]]) for e in artifacts.report.timeline]
+    for start, _, _ in spans:  # the declared memory running at each stage's start
+        held = sum(m for s, e, m in spans if s <= start < e)
+        assert held <= budget or sum(1 for s, e, m in spans if s <= start < e and m) == 1
+    assert max(sum(1 for s, e, _ in spans if s <= t < e) for t, _, _ in spans) > 1  # not serial
