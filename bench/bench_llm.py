@@ -2,11 +2,14 @@
 built from a config with seeded weights: nothing downloaded), context 1024, prompt 128.
 
 One process, one fresh cache: the float export cold, warm, after a weight change in one decoder
-layer (the last part's), then the ``w8a16`` preset cold and a preset change (``w8a8``, values
-only). Each case's fraction is of its path's cold export; peak RSS (the process's high-water
-mark after the cold float export, which holds the model) is a multiple of the fp32 weights.
+layer (the last part's), then the ``w8a16`` preset cold, a preset change (``w8a8``, values
+only) and a scales-only retune (``range_method`` minmax -> moving_average: the calibration's
+statistics are kept, only the scales change). With ``--contexts`` the preset path also prepares
+each part's weight-shared v73 context binary, and each part's preparation time is reported.
+Each case's fraction is of its path's cold export; peak RSS (the process's high-water mark
+after the cold float export, which holds the model) is a multiple of the fp32 weights.
 
-    python bench/bench_llm.py [--parts 4] [--layers 24] [--save FILE]
+    python bench/bench_llm.py [--parts 4] [--layers 24] [--contexts] [--save FILE]
 
 Targets (the issue's): warm <= 0.01 of cold; one-layer weight change <= 1/parts of cold + 0.05;
 peak RSS <= 2.5 x the fp32 weights.
@@ -59,6 +62,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument(
+        "--contexts", action="store_true", help="prepare the preset path's HTP context binaries"
+    )
     parser.add_argument("--save", default=None, help="write the JSON document here too")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -94,6 +100,13 @@ def main() -> None:
         ran = art.report.ran
         parts = sorted({s.split(".")[0] for s in ran if s.endswith((".bind", ".graph"))})
         cases[case] = {"seconds": seconds, "ran": len(ran), "parts_rebuilt": parts, "load": load}
+        traced = sorted(s for s in ran if s.endswith(".capture"))
+        cases[case]["traced"] = traced
+        contexts = {
+            r.name: r.seconds for r in art.report.stages if ".context." in r.name and r.name in ran
+        }
+        if contexts:
+            cases[case]["context_seconds"] = contexts
         print(f"{case:14s} {seconds:8.2f} s  load {load:.2f}  {len(ran)} ran, parts {parts}")
 
     try:
@@ -103,8 +116,17 @@ def main() -> None:
         with torch.no_grad():
             model.model.layers[args.layers - 1].mlp.down_proj.weight.mul_(1.01)
         run("one_layer", "float")
-        run("preset_cold", "preset", quantizer="w8a16", calibration=calibration)
-        run("preset_change", "preset", quantizer="w8a8", calibration=calibration)
+        htp = {"contexts": True, "htp_arch": "v73"} if args.contexts else {}
+        run("preset_cold", "preset", quantizer="w8a16", calibration=calibration, **htp)
+        run("preset_change", "preset", quantizer="w8a8", calibration=calibration, **htp)
+        run(
+            "scales_only",
+            "preset",
+            quantizer="w8a8",
+            calibration=calibration,
+            range_method="moving_average",
+            **htp,
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     cold, pcold = cases["cold"]["seconds"], cases["preset_cold"]["seconds"]
@@ -112,12 +134,14 @@ def main() -> None:
         "model": f"Qwen2.5-0.5B shapes, {args.layers} layers",
         "weights_fp32_bytes": weights,
         **geometry,
+        "contexts": args.contexts,
         "cases": cases,
         "fractions": {
             "warm": cases["warm"]["seconds"] / cold,
             "one_layer": cases["one_layer"]["seconds"] / cold,
             "one_layer_target": 1 / args.parts + 0.05,
             "preset_change": cases["preset_change"]["seconds"] / pcold,
+            "scales_only": cases["scales_only"]["seconds"] / pcold,
         },
         "peak_rss_x_weights": cases["peak_rss_bytes"] / weights,
     }
