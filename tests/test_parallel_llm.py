@@ -34,6 +34,15 @@ def _export(model, out: Path, cache: Path, **kwargs):
     )
 
 
+def _exclusive_stages(model, out: Path) -> set[str]:
+    """The stages the LLM export's pipeline declares must run alone (the part captures...)."""
+    request = ExportRequest(
+        model, (torch.tensor([PROMPT]),), out, "lm", target="qnn", format="llm", options=GEOMETRY
+    )
+    pipeline = build_pipeline(request)
+    return {name for name in pipeline.order() if pipeline.cost(name).exclusive}
+
+
 def _files(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
@@ -51,11 +60,22 @@ def test_four_parts_with_two_jobs_give_the_sequential_files_lock_and_runs(tmp_pa
         assert par_files[name] == data, f"{name} differs between -j 1 and -j 2"
     ran = [s.name for s in seq.report.stages if s.status is StageStatus.RAN]
     assert [s.name for s in par.report.stages if s.status is StageStatus.RAN] == ran
-    assert {f"p{i}.prompt.capture" for i in range(1, 5)} <= set(ran)
+    captures = {f"p{i}.float.capture" for i in range(1, 5)}  # no preset: the float bundle
+    assert captures <= set(ran)
     for a, b in zip(seq.report.stages, par.report.stages, strict=True):
         assert (a.name, a.key, a.digest) == (b.name, b.key, b.digest)
-    parts = [e for e in par.report.timeline if e["stage"].endswith(".capture")]
-    assert len({e["worker"] for e in parts}) == 2  # the two threads each built parts
+    exclusive = _exclusive_stages(model, tmp_path / "plan")
+    assert captures <= exclusive
+    spans = [(e["stage"], e["start"], e["end"]) for e in par.report.timeline]
+    overlapping = [
+        (a, b)
+        for i, (a, a0, a1) in enumerate(spans)
+        for b, b0, b1 in spans[i + 1 :]
+        if a0 < b1 and b0 < a1
+    ]
+    assert any(a not in exclusive and b not in exclusive for a, b in overlapping)  # two at once
+    assert not [(a, b) for a, b in overlapping if a in exclusive and b in exclusive]
+    assert not [(a, b) for a, b in overlapping if a in exclusive or b in exclusive]  # alone
 
 
 def test_the_coverage_summary_reads_alike_from_reports_built_here_or_read_from_the_cache():
