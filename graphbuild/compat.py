@@ -16,6 +16,7 @@ import functools
 import inspect
 import json
 import re
+import threading
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -150,6 +151,14 @@ def _serialize_takes_part_flags() -> bool:
     return "serialize_state_dict" in inspect.signature(serialize).parameters
 
 
+#: Held while a program is serialized or deserialized: torch's serde is not thread-safe (the
+#: deserializer keeps the one running in a module global, ``_CURRENT_DESERIALIZER``, and
+#: asserts when a second thread starts one) and the calls here swap functions of its module
+#: for their duration, which two threads at once would leave swapped. The concurrent
+#: scheduler's stages encode and load programs in threads: they take turns here.
+_SERDE = threading.RLock()
+
+
 def serialize_program_graph(program: torch.export.ExportedProgram) -> bytes:
     """The JSON bytes of ``program``'s graph, signature and metadata, without its tensors.
 
@@ -158,7 +167,7 @@ def serialize_program_graph(program: torch.export.ExportedProgram) -> bytes:
     """
     from torch._export.serde import serialize as serde
 
-    with _without_canonical_form_check():
+    with _SERDE, _without_canonical_form_check():
         if _serialize_takes_part_flags():
             artifact = serde.serialize(
                 program,
@@ -274,7 +283,7 @@ def deserialize_program(
     from torch._export.serde.serialize import SerializedArtifact, deserialize
 
     register_quantized_decomposed_ops()
-    with _planned_dataclasses(), _cached_type_hints():
+    with _SERDE, _planned_dataclasses(), _cached_type_hints():
         return deserialize(SerializedArtifact(bytes(graph), dict(state), dict(constants), b""))
 
 

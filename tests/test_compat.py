@@ -303,3 +303,66 @@ def test_an_onnx_export_with_the_registry_reused_is_the_same_model(monkeypatch) 
     first, again = exported(), exported()  # the registry built, then copied
     monkeypatch.setattr(skeleton, "onnx_registry_reused", contextlib.nullcontext)
     assert first == again == exported()  # as torch builds it for every call
+
+
+def _at_most_one_at_a_time(monkeypatch, module, name: str) -> list[int]:
+    """Wrap ``module.name`` so that each call holds for a moment and notes how many calls
+    ran at once; returns the list those counts go in."""
+    import threading
+    import time
+
+    real, lock, running, seen = getattr(module, name), threading.Lock(), [0], []
+
+    def counted(*args, **kwargs):
+        with lock:
+            running[0] += 1
+            seen.append(running[0])
+        time.sleep(0.2)  # long enough for the other thread to enter, were it let in
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(module, name, counted)
+    return seen
+
+
+def _in_two_threads(call) -> list:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        return [f.result() for f in [pool.submit(call), pool.submit(call)]]
+
+
+def test_two_threads_never_deserialize_programs_at_once(monkeypatch) -> None:
+    """torch's program deserializer (its ShapeEnv, the serde module's globals compat patches
+    for the call) is not known to be thread-safe: the concurrent scheduler's stages load
+    programs in threads, so the loads take turns."""
+    from torch._export.serde import serialize as serde
+
+    program = _program()
+    graph = compat.serialize_program_graph(program)
+    seen = _at_most_one_at_a_time(monkeypatch, serde, "deserialize")
+    loaded = _in_two_threads(
+        lambda: compat.deserialize_program(graph, program.state_dict, program.constants)
+    )
+    assert seen == [1, 1]
+    x = torch.randn(2, 4)
+    for restored in loaded:
+        torch.testing.assert_close(restored.module()(x), program.module()(x))
+
+
+def test_two_threads_never_serialize_programs_at_once(monkeypatch) -> None:
+    """Serializing swaps functions of torch's serde module for the call (the discarded
+    canonical-form check, the tensor pickler): two at once would leave the swapped one in
+    place for good, so the calls take turns, and the module is as it was afterwards."""
+    from torch._export.serde import serialize as serde
+
+    program = _program()
+    expected = compat.serialize_program_graph(program)
+    before = (getattr(serde, "canonicalize", None), serde.serialize_torch_artifact)
+    seen = _at_most_one_at_a_time(monkeypatch, serde, "serialize")
+    assert _in_two_threads(lambda: compat.serialize_program_graph(program)) == [expected] * 2
+    assert seen == [1, 1]
+    assert (getattr(serde, "canonicalize", None), serde.serialize_torch_artifact) == before
