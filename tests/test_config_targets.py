@@ -180,3 +180,39 @@ def test_one_config_exports_qnn_gguf_and_executorch(tmp_path, monkeypatch):
     assert "tiny.onnx" in files["qnn"] and "tiny.encodings" in files["qnn"]
     assert "tiny.gguf" in files["gguf"]
     assert "tiny.pte" in files["executorch"]
+
+
+ET_RECIPES = """\
+model = "m.py:build"
+target = "executorch"
+recipe = "fp32"
+[targets.executorch]
+recipe = "xnnpack_fp32"
+"""
+
+
+def test_the_targets_table_wins_over_a_shared_top_level_option(tmp_path):
+    """``recipe`` beside ``model`` is shared; ``[targets.executorch] recipe`` is the
+    target's own, and wins (as its ``format`` does), not a conflict."""
+    write(tmp_path, ET_RECIPES)
+    cfg, said = load(tmp_path)
+    assert cfg.options["recipe"] == "xnnpack_fp32"
+    assert said == []
+
+
+@pytest.mark.parametrize("override", ["recipe=int8", "options.recipe=int8"])
+def test_the_command_line_wins_over_the_table_and_the_top_level(tmp_path, override):
+    write(tmp_path, ET_RECIPES)
+    cfg, _ = load(tmp_path, override)
+    assert cfg.options["recipe"] == "int8"
+
+
+def test_a_top_level_option_and_its_options_spelling_in_the_shared_keys_still_disagree(tmp_path):
+    """Both spellings in the file's shared keys: the file's own mistake, still refused."""
+    write(
+        tmp_path,
+        'model = "m.py:build"\ntarget = "executorch"\nrecipe = "fp32"\n'
+        '[options]\nrecipe = "int8"\n',
+    )
+    with pytest.raises(ConfigError, match=r"'recipe' and 'options.recipe' disagree"):
+        load(tmp_path)

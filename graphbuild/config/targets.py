@@ -76,6 +76,8 @@ def resolve_for_target(
     for key, value in own.items():
         if own_wins(f"options.{key}"):
             options[key] = value
+    for key in target.top_level_options:  # ``recipe = ...`` beside ``model``, or options.recipe
+        _one_spelling(key, out, options, own, given)
 
     # shared keys this target cannot take
     fmt = out.get("format")
@@ -155,6 +157,27 @@ def check_target_tables(tables: Any, where: str) -> dict[str, dict[str, OptionTy
             raise ConfigError(f"{where}: [targets.{name}] must be a table, got {_describe(sub)}")
         schemas[name] = target_table_schema(name)
     return schemas
+
+
+def _one_spelling(
+    key: str,
+    out: dict[str, Any],
+    options: dict[str, Any],
+    own: Mapping[str, Any],
+    given: Collection[str],
+) -> None:
+    """Keep one spelling of the target's top-level option ``key`` (``key`` and
+    ``options.key``) where the precedence picks one: the command line over the target's
+    table over the shared top level. Both spellings from the same place (the command line,
+    or the file's shared keys) are left for the config to refuse when they disagree."""
+    top_given = key in given
+    option_given = any(k == f"options.{key}" or k == "options" for k in given)
+    if top_given and not option_given:
+        options.pop(key, None)  # the command line's key over the table's and [options]
+    elif option_given and not top_given:
+        out.pop(key, None)  # the command line's options.key over the file's top level
+    elif not top_given and key in own:
+        out.pop(key, None)  # the target's table over the shared top level
 
 
 def _of(owners: list[str]) -> str:
