@@ -4,6 +4,7 @@ greedy tokens."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import onnx
@@ -139,3 +140,43 @@ def test_the_float_graphs_depend_on_no_length(exported: tuple) -> None:
     ran = {s.name for s in again.report.stages if s.status is StageStatus.RAN}
     built = (".capture", ".to_onnx", ".bind", ".graph")
     assert not [s for s in ran if ".float." in s and s.endswith(built)]
+
+
+#: PROMPT's 9 ids and this many new tokens make 65: one past GEOMETRY's context_len.
+PAST_THE_CONTEXT = GEOMETRY["context_len"] - len(PROMPT) + 1
+TOO_LONG = (
+    r"the prompt \(9 ids\) and 56 new tokens \(65\) exceed the bundle's max_length 64 "
+    r"\(context_len 64\): export with a larger context_len, or generate at most 55 new tokens"
+)
+
+
+def test_a_prompt_and_tokens_past_the_context_are_refused_before_running(exported: tuple):
+    """Past the context, position ids would overrun the rotary table (onnxruntime: a Gather
+    index error): the runner says what does not fit and what to do instead; the most that
+    fits runs."""
+    from graphbuild.targets.qnn.llm.errors import ContextLengthError
+    from graphbuild.targets.qnn.llm.float_runner import float_generation
+
+    cpu = exported[3] / "out" / "cpu"
+    with pytest.raises(ContextLengthError, match=TOO_LONG):
+        float_generation(cpu, PROMPT, PAST_THE_CONTEXT)
+    tokens, _ = float_generation(cpu, PROMPT, PAST_THE_CONTEXT - 1)
+    assert len(tokens) == PAST_THE_CONTEXT - 1
+
+
+def test_genai_and_graphbuild_generate_refuse_the_same_length_alike(exported: tuple):
+    pytest.importorskip("onnxruntime_genai", reason="runs the bundle (the llm extra)")
+    from typer.testing import CliRunner
+
+    from graphbuild.cli.app import app
+    from graphbuild.targets.qnn.llm.errors import ContextLengthError
+    from graphbuild.targets.qnn.llm.generate import generate
+
+    cpu = exported[3] / "out" / "cpu"
+    with pytest.raises(ContextLengthError, match=TOO_LONG):
+        generate(cpu, PROMPT, PAST_THE_CONTEXT)
+    prompt = " ".join(map(str, PROMPT))
+    result = CliRunner().invoke(app, ["generate", str(cpu), "-p", prompt, "-n", "56"])
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    assert re.search(TOO_LONG, " ".join(result.output.split())), result.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 from graphbuild.errors import ConfigError, ExportError
 
 __all__ = [
+    "ContextLengthError",
     "GenaiCrashedError",
     "GenaiError",
     "GenaiRefusedError",
@@ -12,6 +13,12 @@ __all__ = [
     "GenaiUnavailableError",
     "IncompleteBundleError",
 ]
+
+
+class ContextLengthError(ConfigError):
+    """A prompt and the tokens to generate that do not fit the bundle's length (its
+    ``max_length``, at most the export's ``context_len``): past it, positions overrun the
+    rotary table. Raised before anything runs, by genai's path and graphbuild's runner alike."""
 
 
 class GenaiError(ExportError):

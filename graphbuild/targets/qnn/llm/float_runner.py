@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
+from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME, check_length
 from graphbuild.targets.qnn.llm.genai_pipeline import GenaiNames
 
 
@@ -21,10 +21,13 @@ def float_generation(
     bundle: Path, prompt: list[int], steps: int
 ) -> tuple[list[int], list[np.ndarray]]:
     """``steps`` greedy tokens after ``prompt`` from the float bundle in ``bundle``, and the
-    logits each was chosen from."""
+    logits each was chosen from. A prompt and ``steps`` that do not fit the bundle's length
+    are a :class:`~graphbuild.targets.qnn.llm.errors.ContextLengthError`, as in genai's path
+    (past it, positions overrun the rotary table: onnxruntime fails on a Gather index)."""
     import onnxruntime as ort
 
     config = json.loads((Path(bundle) / CONFIG_NAME).read_text())
+    check_length(config, len(prompt), steps)
     decoder = config["model"]["decoder"]
     names = GenaiNames()
     entries = list(decoder["pipeline"][0].values())

@@ -41,10 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from graphbuild.errors import ConfigError
+from graphbuild.targets.qnn.llm.errors import ContextLengthError
 from graphbuild.targets.qnn.llm.genai_pipeline import GenaiNames, LlmFacts, PipelineEntry, Session
 from graphbuild.targets.qnn.llm.position_processor import PROCESSOR_OUTPUTS
 
 __all__ = [
+    "check_length",
     "CONFIG_NAME",
     "genai_config",
     "onnx_io_names",
@@ -265,3 +267,28 @@ def write_genai_config(
     # Entry order is run order: never sort the keys.
     path.write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def check_length(config: dict[str, Any], prompt_len: int, new_tokens: int) -> None:
+    """Refuse (:class:`ContextLengthError`) a prompt of ``prompt_len`` ids and ``new_tokens``
+    tokens that do not fit the bundle's ``search.max_length`` (``config``: its genai config),
+    the prompt padded to whole windows where genai pads it (a bundle with a sliding window)."""
+    model = config["model"]
+    window = model["decoder"].get("sliding_window", {}).get("window_size", 1)
+    padded = -(-prompt_len // window) * window
+    limit = config["search"]["max_length"]
+    if padded + new_tokens <= limit:
+        return
+    shown = f"{prompt_len} ids" + (
+        f", {padded} padded to whole windows of {window}" if padded != prompt_len else ""
+    )
+    fewer = (
+        f"generate at most {limit - padded} new tokens"
+        if padded < limit
+        else f"give a prompt of at most {limit - 1} ids"
+    )
+    raise ContextLengthError(
+        f"the prompt ({shown}) and {new_tokens} new tokens ({padded + new_tokens}) exceed the "
+        f"bundle's max_length {limit} (context_len {model['context_length']}): export with a "
+        f"larger context_len, or {fewer}"
+    )

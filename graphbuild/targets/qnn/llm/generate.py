@@ -43,7 +43,7 @@ from graphbuild.targets.qnn.llm.errors import (
     GenaiUnavailableError,
     IncompleteBundleError,
 )
-from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
+from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME, check_length
 from graphbuild.targets.workers import run_worker
 
 __all__ = ["Generation", "bundle_uses_qnn", "check_bundle", "generate"]
@@ -133,15 +133,7 @@ def _check_prompt(config: dict[str, Any], prompt: Sequence[int], max_new_tokens:
         )
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    # the float bundle has no window: genai runs the prompt whole
-    window = model["decoder"].get("sliding_window", {}).get("window_size", 1)
-    padded = -(-len(prompt) // window) * window
-    limit = config["search"]["max_length"]
-    if padded + max_new_tokens > limit:
-        raise ConfigError(
-            f"the prompt ({len(prompt)} ids, {padded} padded to whole windows of {window}) "
-            f"and {max_new_tokens} new tokens exceed the bundle's max_length {limit}"
-        )
+    check_length(config, len(prompt), max_new_tokens)  # as graphbuild's float runner does
 
 
 def generate(
