@@ -121,3 +121,40 @@ def test_a_tokenizer_of_another_kind_is_refused_before_any_work(tmp_path: Path) 
     with pytest.raises(ConfigError, match="tokenizers.Tokenizer"):
         _export(model, tmp_path / "out", tmp_path / "cache")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_new_chat_template_is_placed(bundle: tuple) -> None:
+    """A transformers fast tokenizer's tokenizer_config.json (its chat template, its special
+    tokens) is part of what the bundle places, so a change to it places the new file."""
+    from transformers import PreTrainedTokenizerFast
+
+    model, tmp = bundle
+    plain = model.tokenizer
+    placed = tmp / "out" / "cpu" / "tokenizer_config.json"
+    try:
+        for template in ("{{ messages[0]['content'] }}", "<|user|>{{ messages[0]['content'] }}"):
+            model.tokenizer = PreTrainedTokenizerFast(
+                tokenizer_object=byte_tokenizer(), chat_template=template
+            )
+            _export(model, tmp / "out", tmp / "cache")
+            assert json.loads(placed.read_text())["chat_template"] == template
+    finally:
+        model.tokenizer = plain
+
+
+def test_a_fast_tokenizer_is_keyed_on_the_files_it_places_only() -> None:
+    """What the bundle gets changes the key; the tokenizer's own bookkeeping (the warnings it
+    gave) does not."""
+    from transformers import PreTrainedTokenizerFast
+
+    from graphbuild.engine.fingerprint.walk import fingerprint
+    from graphbuild.targets.qnn.llm.tokenizer import model_tokenizer
+
+    def key(template: str, warned: bool = False) -> object:
+        tok = PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(), chat_template=template)
+        if warned:
+            tok.deprecation_warnings["Asking-to-pad-a-fast-tokenizer"] = True
+        return fingerprint(model_tokenizer(type("M", (), {"tokenizer": tok})()))
+
+    assert key("{{ messages }}") == key("{{ messages }}", warned=True)
+    assert key("{{ messages }}") != key("<|user|>{{ messages }}")

@@ -5,8 +5,10 @@ a ``tokenizers.Tokenizer`` or a transformers fast tokenizer (one with ``backend_
 Every bundle folder then holds ``tokenizer.json`` (the tokenizer, as ``tokenizers`` saves it)
 and ``tokenizer_config.json`` (a transformers tokenizer's own; ``{"tokenizer_class":
 "PreTrainedTokenizerFast"}`` for a plain one), which is what onnxruntime-genai's ``Tokenizer``
-and Genie load. The tokenizer is part of the model's structure fingerprint by its content
-(registered below), so changing it re-places the files and nothing else.
+and Genie load. The tokenizer is part of the model's structure fingerprint by the files it
+places (registered below; a transformers tokenizer's class once a model holds one, so that
+importing this module does not import transformers), so changing it (its chat template, its
+special tokens) re-places the files and nothing else.
 """
 
 from __future__ import annotations
@@ -48,7 +50,20 @@ def model_tokenizer(model: Any) -> Any | None:
             f"the model's tokenizer is a {type(tok).__name__}: the llm format places a "
             "tokenizers.Tokenizer or a transformers fast tokenizer (with backend_tokenizer)"
         )
+    if hasattr(tok, "backend_tokenizer") and fingerprint_type.dispatch(type(tok)) is not _placed:
+        fingerprint_type.register(type(tok), _placed)
     return tok
+
+
+def _placed(value: Any, walk: Any) -> Any:
+    """A transformers fast tokenizer as the files it places: keyed on what the bundle gets,
+    not on the object's attributes (which hold state of its own, such as warnings given)."""
+    text, config = _files(value)
+    return {"tokenizer files": [text, _config_text(config)]}
+
+
+def _config_text(config: dict[str, Any]) -> str:
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
 def _files(tok: Any) -> tuple[str, dict[str, Any]]:
@@ -57,6 +72,11 @@ def _files(tok: Any) -> tuple[str, dict[str, Any]]:
         with tempfile.TemporaryDirectory(prefix="graphbuild-tokenizer-") as tmp:
             tok.save_pretrained(tmp)
             config = json.loads((Path(tmp) / TOKENIZER_CONFIG).read_text())
+        template = getattr(tok, "chat_template", None)  # transformers 5 saves it on its own
+        if isinstance(template, dict):
+            template = [{"name": k, "template": v} for k, v in sorted(template.items())]
+        if template and "chat_template" not in config:  # where genai and Genie read it
+            config["chat_template"] = template
         return tok.backend_tokenizer.to_str(), config
     return tok.to_str(), dict(_PLAIN_CONFIG)
 
@@ -64,7 +84,7 @@ def _files(tok: Any) -> tuple[str, dict[str, Any]]:
 def tokenizer_files(folders: Iterable[str], model: Any, samples: Any, context: Any) -> dict:
     """``<folder>/tokenizer.json`` and ``<folder>/tokenizer_config.json`` for each folder."""
     text, config = _files(model_tokenizer(model))
-    config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    config_text = _config_text(config)
     out = {}
     for folder in folders:
         out[f"{folder}/{TOKENIZER}"] = FileArtifact(f"{folder}/{TOKENIZER}", text.encode())
