@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -262,3 +263,55 @@ def test_watch_exports_again_after_the_model_file_changes(project: Project) -> N
     # the first export ran every stage; the second traced again, the model's code changed
     assert len(re.findall(r"^capture\s+ran", out, re.M)) == 2, out
     assert project.builds() == 2
+
+
+SLOW_FORWARD = """
+        if os.environ.get("SLOW_FORWARD"):
+            import time
+            with open(os.path.join(HERE, "slow.pid"), "w") as out:
+                out.write(str(os.getpid()))
+            time.sleep(60)
+        return torch.relu(self.fc(x))
+"""
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+def test_a_killed_client_stops_its_command(project: Project, how: signal.Signals) -> None:
+    source = project.root / "net.py"
+    source.write_text(
+        source.read_text().replace("\n        return torch.relu(self.fc(x))\n", SLOW_FORWARD)
+    )
+    client = subprocess.Popen(
+        [sys.executable, "-m", "graphbuild", "export"],
+        cwd=project.root,
+        env={**project.env, "SLOW_FORWARD": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    marker = project.root / "slow.pid"
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() or not marker.read_text():
+            assert client.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        client.send_signal(how)
+        client.wait(timeout=10)
+    finally:
+        client.kill()
+    assert _gone(int(marker.read_text()), timeout=15)  # the command's process
+    assert not (project.root / "out").exists()
+    deadline = time.monotonic() + 30  # the project process is free for the next command
+    while project.status()["projects"][0]["running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert project.status()["projects"][0]["running"] == 0

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from graphbuild.server import memo
 from graphbuild.server.protocol import ProtocolError, receive, send
-from graphbuild.server.request import REBUILD, run_request
+from graphbuild.server.request import REBUILD, run_request, watch_client
 from graphbuild.server.warm import recompute
 
 __all__ = ["run_project"]
@@ -144,10 +144,11 @@ def _as_client(request: dict[str, Any], fds: list[int]) -> Iterator[None]:
 
 def _build(cfg: Any, request: dict[str, Any], fds: list[int]) -> None:
     """Build ``cfg``'s model here and keep it; a failure keeps nothing (the request's second
-    attempt builds it again and reports the error as the command line does)."""
+    attempt builds it again and reports the error as the command line does). A client that
+    goes away interrupts the build (:func:`~graphbuild.server.request.watch_client`)."""
     key = None
     try:
-        with _as_client(request, fds), warnings.catch_warnings():
+        with watch_client(fds[0]), _as_client(request, fds), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             key = memo.memo_key(cfg)
             memo.MEMO.pop(key, None)
