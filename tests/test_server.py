@@ -315,3 +315,70 @@ def test_a_killed_client_stops_its_command(project: Project, how: signal.Signals
     while project.status()["projects"][0]["running"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert project.status()["projects"][0]["running"] == 0
+
+
+HIDDEN_READS = textwrap.dedent(
+    """
+    import json
+    import os
+    import threading
+
+    import torch
+
+    from net import Net
+
+    HERE = os.path.dirname(os.path.abspath(__file__))
+    WEIGHTS = os.path.join(HERE, "weights")
+
+
+    def build():
+        with open(os.path.join(HERE, "builds.txt"), "a") as log:
+            log.write("built\\n")
+        config = {}
+
+        def read_config():  # opened by another thread than the build's
+            with open(os.path.join(WEIGHTS, "config.json")) as f:
+                config.update(json.load(f))
+
+        reader = threading.Thread(target=read_config)
+        reader.start()
+        reader.join()
+        # read by C++, not Python's open (as safetensors' memory map is)
+        weight = torch.from_file(os.path.join(WEIGHTS, "weight.bin"), size=12)
+        scale = config["scale"] * float(os.environ.get("NET_SCALE", "1"))
+        net = Net().eval()
+        with torch.no_grad():
+            net.fc.weight.copy_(weight.reshape(3, 4) * scale)
+            net.fc.bias.zero_()
+        return net, (torch.linspace(-1, 1, 4).reshape(1, 4),)
+    """
+)
+
+
+def test_unseen_reads_and_environment_variables_rebuild_the_served_model(
+    project: Project,
+) -> None:
+    weights = project.root / "weights"
+    weights.mkdir()
+    (weights / "config.json").write_text('{"scale": 1.0}')
+    np.full(12, 0.5, dtype=np.float32).tofile(weights / "weight.bin")
+    (project.root / "hidden.py").write_text(HIDDEN_READS)
+    config = project.root / "graphbuild.toml"
+    config.write_text(config.read_text().replace("net.py:build", "hidden.py:build"))
+    first = project.run("export")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert np.allclose(project.weight(), 0.5, atol=0.01)
+    assert project.builds() == 1
+
+    np.full(12, -0.25, dtype=np.float32).tofile(weights / "weight.bin")  # beside config.json
+    replaced = project.run("export")
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert np.allclose(project.weight(), -0.25, atol=0.01)
+    assert project.builds() == 2
+
+    scaled = project.run("export", NET_SCALE="2")
+    assert scaled.returncode == 0, scaled.stderr[-3000:]
+    assert np.allclose(project.weight(), -0.5, atol=0.01)
+    assert project.builds() == 3
+    assert project.run("export", NET_SCALE="2").returncode == 0
+    assert project.builds() == 3  # the same environment: the model was kept

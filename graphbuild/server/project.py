@@ -150,7 +150,7 @@ def _build(cfg: Any, request: dict[str, Any], fds: list[int]) -> None:
     try:
         with watch_client(fds[0]), _as_client(request, fds), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            key = memo.memo_key(cfg)
+            key = memo.memo_key(cfg, request["env"])
             memo.MEMO.pop(key, None)
             memo.MEMO[key] = memo.build_recorded(cfg, cfg.build_model)
     except BaseException:  # the user's factory: anything may fail; the request reports it

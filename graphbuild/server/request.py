@@ -52,14 +52,15 @@ def _write_watch_report(cfg: Any, entry: memo.Entry) -> None:
         json.dump({"files": files}, out)
 
 
-def install_loader(handoff: Any = None) -> None:
+def install_loader(handoff: Any = None, env: dict[str, str] | None = None) -> None:
     """Set :data:`graphbuild.config.settings.model_loader`: a valid memo entry is used; else
     ``handoff(cfg)`` (a request's first attempt) passes the build on, or the model is built
-    here, recording its reads."""
+    here, recording its reads. ``env`` is the client's environment (the memo key's; the
+    command line sets variables of its own), else this process's."""
     from graphbuild.config import settings
 
     def loader(cfg: Any, build: Any) -> Any:
-        entry = memo.MEMO.get(memo.memo_key(cfg))
+        entry = memo.MEMO.get(memo.memo_key(cfg, env))
         if entry is None or entry.changed():
             if handoff is not None:
                 handoff(cfg)
@@ -152,7 +153,7 @@ def run_request(
                 sys.stderr.flush()
                 os._exit(REBUILD)
 
-        install_loader(handoff)
+        install_loader(handoff, dict(request["env"]))
         with watch_client(fds[0]):
             code = _run_cli()
     except BaseException as err:  # a failure of the server itself: say so, exit 1
