@@ -382,3 +382,21 @@ def test_unseen_reads_and_environment_variables_rebuild_the_served_model(
     assert project.builds() == 3
     assert project.run("export", NET_SCALE="2").returncode == 0
     assert project.builds() == 3  # the same environment: the model was kept
+
+
+def test_the_memo_keeps_the_most_recently_used_models() -> None:
+    from graphbuild.server.memo import Entry, Memo, memo_entries
+
+    assert memo_entries({}) == 2 and memo_entries({"GRAPHBUILD_SERVER_MEMO": "5"}) == 5
+    kept = Memo(limit=lambda: 2)
+    for key in ("a", "b"):
+        kept.put(key, Entry(key, {}))
+    assert kept.get("a").value == "a"  # "b" is now the least recently used
+    kept.put("c", Entry("c", {}))
+    assert "b" not in kept and "a" in kept and "c" in kept
+    kept.touch("a")  # a use a request process reported
+    kept.put("d", Entry("d", {}))
+    assert sorted(kept.entries) == ["a", "d"] and kept.used == ["a"]
+    none = Memo(limit=lambda: 0)
+    none.put("a", Entry("a", {}))
+    assert len(none) == 0

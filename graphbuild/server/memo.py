@@ -24,6 +24,7 @@ import contextlib
 import os
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 __all__ = [
     "Entry",
     "MEMO",
+    "Memo",
     "build_recorded",
     "environment_digest",
     "memo_key",
@@ -241,8 +243,65 @@ class Entry:
         return files + [d for d, stamp in self.listed.items() if listing(d) != stamp]
 
 
+DEFAULT_MEMO_ENTRIES = 2
+
+
+def memo_entries(env: dict[str, str] | os._Environ | None = None) -> int:
+    """How many models a project process keeps (``GRAPHBUILD_SERVER_MEMO``, 2 by default;
+    0 keeps none): a model may hold gigabytes."""
+    env = os.environ if env is None else env
+    try:
+        return max(0, int(env.get("GRAPHBUILD_SERVER_MEMO", DEFAULT_MEMO_ENTRIES)))
+    except ValueError:
+        return DEFAULT_MEMO_ENTRIES
+
+
+class Memo:
+    """Entries by key, least recently used first: storing one beyond ``limit()`` entries
+    drops the least recently used. ``used`` lists the keys :meth:`get` found (a request
+    process reports them, so that its project process knows what was used)."""
+
+    def __init__(self, limit: Callable[[], int] = memo_entries) -> None:
+        self.limit = limit
+        self.entries: OrderedDict[str, Entry] = OrderedDict()
+        self.used: list[str] = []
+
+    def get(self, key: str) -> Entry | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.touch(key)
+            self.used.append(key)
+        return entry
+
+    def touch(self, key: str) -> None:
+        """Mark ``key`` most recently used (when it is here)."""
+        if key in self.entries:
+            self.entries.move_to_end(key)
+
+    def put(self, key: str, entry: Entry) -> None:
+        self.entries.pop(key, None)
+        self.entries[key] = entry
+        while len(self.entries) > self.limit():
+            self.entries.popitem(last=False)
+
+    def pop(self, key: str) -> Entry | None:
+        return self.entries.pop(key, None)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def values(self) -> list[Entry]:
+        return list(self.entries.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+
 #: Entries by :func:`memo_key`, kept by the project process and inherited by its requests.
-MEMO: dict[str, Entry] = {}
+MEMO = Memo()
 
 
 def build_recorded(cfg: Any, build: Callable[[], Any]) -> Entry:

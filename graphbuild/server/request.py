@@ -171,7 +171,7 @@ def run_request(
             os.dup2(null, fd)
     with contextlib.suppress(Exception):
         _note_imports(notes, born)
-        _note(notes, {"closures": computed()})
+        _note(notes, {"closures": computed(), "used": memo.MEMO.used})
     os._exit(0)
 
 
