@@ -400,3 +400,15 @@ def test_the_memo_keeps_the_most_recently_used_models() -> None:
     none = Memo(limit=lambda: 0)
     none.put("a", Entry("a", {}))
     assert len(none) == 0
+
+
+def test_the_server_does_not_import_from_the_first_clients_directory(project: Project) -> None:
+    (project.root / "onnxscript.py").write_text(
+        "import os\n"
+        "open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'shadowed'), 'w')\n"
+        "raise ImportError('a local module shadowed an installed library')\n"
+    )
+    proc = project.run("graph")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert project.status()["running"]
+    assert not (project.root / "shadowed").exists()

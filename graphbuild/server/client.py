@@ -50,6 +50,22 @@ def connect(path: Path) -> socket.socket | None:
     return sock
 
 
+def _daemon_code() -> str:
+    """The server's start: this ``sys.path`` without the working directory (a ``torch.py``
+    there would shadow torch for every project the server serves), with the directory this
+    graphbuild is imported from."""
+    import graphbuild
+
+    home = os.path.dirname(os.path.dirname(os.path.realpath(graphbuild.__file__)))
+    cwd = os.getcwd()
+    paths = [p for p in sys.path if p and os.path.abspath(p) != cwd]
+    if home not in paths:
+        paths.insert(0, home)
+    return (
+        f"import sys; sys.path[:] = {paths!r}\nfrom graphbuild.server.daemon import main\nmain()\n"
+    )
+
+
 def start_server(path: Path) -> socket.socket:
     """Connect, starting the server first when none listens; under a lock file, so that of
     several commands started at once one starts it and the others connect to it."""
@@ -66,12 +82,13 @@ def start_server(path: Path) -> socket.socket:
             path.unlink()  # a stale socket: nothing listens on it
         with open(log, "wb") as out:
             daemon = subprocess.Popen(
-                [sys.executable, "-m", "graphbuild.server.daemon"],
+                [sys.executable, "-c", _daemon_code()],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "GRAPHBUILD_SERVER_DIR": str(path.parent)},
+                cwd=path.parent,
+                env={**os.environ, "GRAPHBUILD_SERVER_SOCKET": str(path)},
             )
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
