@@ -412,3 +412,12 @@ def test_the_server_does_not_import_from_the_first_clients_directory(project: Pr
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert project.status()["running"]
     assert not (project.root / "shadowed").exists()
+
+
+@pytest.mark.parametrize("job", ["SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID"])
+def test_a_batch_job_uses_no_server_unless_asked(job: str) -> None:
+    from graphbuild.server.paths import server_wanted
+
+    assert server_wanted({})
+    assert not server_wanted({job: "4242"})  # its server would outlive the job, in its cgroup
+    assert server_wanted({job: "4242", "GRAPHBUILD_SERVER": "1"})
