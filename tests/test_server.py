@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -262,3 +263,161 @@ def test_watch_exports_again_after_the_model_file_changes(project: Project) -> N
     # the first export ran every stage; the second traced again, the model's code changed
     assert len(re.findall(r"^capture\s+ran", out, re.M)) == 2, out
     assert project.builds() == 2
+
+
+SLOW_FORWARD = """
+        if os.environ.get("SLOW_FORWARD"):
+            import time
+            with open(os.path.join(HERE, "slow.pid"), "w") as out:
+                out.write(str(os.getpid()))
+            time.sleep(60)
+        return torch.relu(self.fc(x))
+"""
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+def test_a_killed_client_stops_its_command(project: Project, how: signal.Signals) -> None:
+    source = project.root / "net.py"
+    source.write_text(
+        source.read_text().replace("\n        return torch.relu(self.fc(x))\n", SLOW_FORWARD)
+    )
+    client = subprocess.Popen(
+        [sys.executable, "-m", "graphbuild", "export"],
+        cwd=project.root,
+        env={**project.env, "SLOW_FORWARD": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    marker = project.root / "slow.pid"
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() or not marker.read_text():
+            assert client.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        client.send_signal(how)
+        client.wait(timeout=10)
+    finally:
+        client.kill()
+    assert _gone(int(marker.read_text()), timeout=15)  # the command's process
+    assert not (project.root / "out").exists()
+    deadline = time.monotonic() + 30  # the project process is free for the next command
+    while project.status()["projects"][0]["running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert project.status()["projects"][0]["running"] == 0
+
+
+HIDDEN_READS = textwrap.dedent(
+    """
+    import json
+    import os
+    import threading
+
+    import torch
+
+    from net import Net
+
+    HERE = os.path.dirname(os.path.abspath(__file__))
+    WEIGHTS = os.path.join(HERE, "weights")
+
+
+    def build():
+        with open(os.path.join(HERE, "builds.txt"), "a") as log:
+            log.write("built\\n")
+        config = {}
+
+        def read_config():  # opened by another thread than the build's
+            with open(os.path.join(WEIGHTS, "config.json")) as f:
+                config.update(json.load(f))
+
+        reader = threading.Thread(target=read_config)
+        reader.start()
+        reader.join()
+        # read by C++, not Python's open (as safetensors' memory map is)
+        weight = torch.from_file(os.path.join(WEIGHTS, "weight.bin"), size=12)
+        scale = config["scale"] * float(os.environ.get("NET_SCALE", "1"))
+        net = Net().eval()
+        with torch.no_grad():
+            net.fc.weight.copy_(weight.reshape(3, 4) * scale)
+            net.fc.bias.zero_()
+        return net, (torch.linspace(-1, 1, 4).reshape(1, 4),)
+    """
+)
+
+
+def test_unseen_reads_and_environment_variables_rebuild_the_served_model(
+    project: Project,
+) -> None:
+    weights = project.root / "weights"
+    weights.mkdir()
+    (weights / "config.json").write_text('{"scale": 1.0}')
+    np.full(12, 0.5, dtype=np.float32).tofile(weights / "weight.bin")
+    (project.root / "hidden.py").write_text(HIDDEN_READS)
+    config = project.root / "graphbuild.toml"
+    config.write_text(config.read_text().replace("net.py:build", "hidden.py:build"))
+    first = project.run("export")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert np.allclose(project.weight(), 0.5, atol=0.01)
+    assert project.builds() == 1
+
+    np.full(12, -0.25, dtype=np.float32).tofile(weights / "weight.bin")  # beside config.json
+    replaced = project.run("export")
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert np.allclose(project.weight(), -0.25, atol=0.01)
+    assert project.builds() == 2
+
+    scaled = project.run("export", NET_SCALE="2")
+    assert scaled.returncode == 0, scaled.stderr[-3000:]
+    assert np.allclose(project.weight(), -0.5, atol=0.01)
+    assert project.builds() == 3
+    assert project.run("export", NET_SCALE="2").returncode == 0
+    assert project.builds() == 3  # the same environment: the model was kept
+
+
+def test_the_memo_keeps_the_most_recently_used_models() -> None:
+    from graphbuild.server.memo import Entry, Memo, memo_entries
+
+    assert memo_entries({}) == 2 and memo_entries({"GRAPHBUILD_SERVER_MEMO": "5"}) == 5
+    kept = Memo(limit=lambda: 2)
+    for key in ("a", "b"):
+        kept.put(key, Entry(key, {}))
+    assert kept.get("a").value == "a"  # "b" is now the least recently used
+    kept.put("c", Entry("c", {}))
+    assert "b" not in kept and "a" in kept and "c" in kept
+    kept.touch("a")  # a use a request process reported
+    kept.put("d", Entry("d", {}))
+    assert sorted(kept.entries) == ["a", "d"] and kept.used == ["a"]
+    none = Memo(limit=lambda: 0)
+    none.put("a", Entry("a", {}))
+    assert len(none) == 0
+
+
+def test_the_server_does_not_import_from_the_first_clients_directory(project: Project) -> None:
+    (project.root / "onnxscript.py").write_text(
+        "import os\n"
+        "open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'shadowed'), 'w')\n"
+        "raise ImportError('a local module shadowed an installed library')\n"
+    )
+    proc = project.run("graph")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert project.status()["running"]
+    assert not (project.root / "shadowed").exists()
+
+
+@pytest.mark.parametrize("job", ["SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID"])
+def test_a_batch_job_uses_no_server_unless_asked(job: str) -> None:
+    from graphbuild.server.paths import server_wanted
+
+    assert server_wanted({})
+    assert not server_wanted({job: "4242"})  # its server would outlive the job, in its cgroup
+    assert server_wanted({job: "4242", "GRAPHBUILD_SERVER": "1"})

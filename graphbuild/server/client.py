@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,22 @@ def connect(path: Path) -> socket.socket | None:
     return sock
 
 
+def _daemon_code() -> str:
+    """The server's start: this ``sys.path`` without the working directory (a ``torch.py``
+    there would shadow torch for every project the server serves), with the directory this
+    graphbuild is imported from."""
+    import graphbuild
+
+    home = os.path.dirname(os.path.dirname(os.path.realpath(graphbuild.__file__)))
+    cwd = os.getcwd()
+    paths = [p for p in sys.path if p and os.path.abspath(p) != cwd]
+    if home not in paths:
+        paths.insert(0, home)
+    return (
+        f"import sys; sys.path[:] = {paths!r}\nfrom graphbuild.server.daemon import main\nmain()\n"
+    )
+
+
 def start_server(path: Path) -> socket.socket:
     """Connect, starting the server first when none listens; under a lock file, so that of
     several commands started at once one starts it and the others connect to it."""
@@ -65,12 +82,13 @@ def start_server(path: Path) -> socket.socket:
             path.unlink()  # a stale socket: nothing listens on it
         with open(log, "wb") as out:
             daemon = subprocess.Popen(
-                [sys.executable, "-m", "graphbuild.server.daemon"],
+                [sys.executable, "-c", _daemon_code()],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "GRAPHBUILD_SERVER_DIR": str(path.parent)},
+                cwd=path.parent,
+                env={**os.environ, "GRAPHBUILD_SERVER_SOCKET": str(path)},
             )
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
@@ -113,8 +131,42 @@ def run_served(argv: list[str], env: dict[str, str] | None = None) -> int | None
     return None
 
 
+#: Signals that end the client: each is passed on to the command's process as ``SIGINT``
+#: first, so that the command stops rather than running on without its client.
+FORWARDED = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _forwarding(pid: list[int | None]) -> Iterator[None]:
+    """While in the block, a ``SIGTERM`` or ``SIGHUP`` interrupts the command's process
+    (``pid[0]``), then ends this one as the signal would have."""
+
+    def forward(signum: int, _frame: Any) -> None:
+        if pid[0] is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid[0], signal.SIGINT)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    saved = {}
+    for signum in FORWARDED:
+        with contextlib.suppress(OSError, ValueError):  # not the main thread: not forwarded
+            saved[signum] = signal.signal(signum, forward)
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
 def _follow(sock: socket.socket) -> Any:
     """Read the server's messages until the command ends: its exit code, or ``restart``."""
+    pid: list[int | None] = [None]
+    with _forwarding(pid):
+        return _follow_messages(sock, pid)
+
+
+def _follow_messages(sock: socket.socket, current: list[int | None]) -> Any:
     pid, interrupted = None, False
     while True:
         try:
@@ -138,7 +190,7 @@ def _follow(sock: socket.socket) -> Any:
         if "restart" in message:
             return "restart"
         if "pid" in message:
-            pid = message["pid"]
+            pid = current[0] = message["pid"]
         if "error" in message:
             print(f"error: {message['error']}", file=sys.stderr)
         if "exit" in message:  # its output is written and flushed by then

@@ -1,4 +1,4 @@
-"""The build server: ``python -m graphbuild.server.daemon`` (the client starts it).
+"""The build server: :func:`main` (the client starts it, in its socket's directory).
 
 It listens on its socket first, then imports what an export needs (torch, the engine, the
 targets registry, the command line; each command teaches it the rest: the modules a command
@@ -303,8 +303,11 @@ class Server:
 
 
 def main() -> None:
-    """Serve until idle or stopped (started by the client, detached, output to a log)."""
-    path = socket_path()
+    """Serve until idle or stopped (started by the client, detached, output to a log), on
+    the socket the client chose (``GRAPHBUILD_SERVER_SOCKET``): recomputing it here could
+    name another one."""
+    given = os.environ.pop("GRAPHBUILD_SERVER_SOCKET", "")
+    path = Path(given) if given else socket_path()
     server = Server(path, idle_seconds())
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "running", False))
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)

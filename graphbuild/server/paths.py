@@ -19,6 +19,8 @@ __all__ = [
 ]
 
 DEFAULT_IDLE_SECONDS = 900.0
+#: the variables batch schedulers (Slurm, PBS/Torque, LSF) set in a job
+BATCH_JOBS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
 
 
 def environment_key() -> str:
@@ -64,7 +66,9 @@ def socket_path() -> Path:
 
 def server_wanted(env: dict[str, str] | os._Environ | None = None) -> bool:
     """``GRAPHBUILD_SERVER=1`` or ``0`` decides; unset, a server is used except in CI
-    (``CI`` set) and under pytest (a test must not leave a server behind)."""
+    (``CI`` set), under pytest (a test must not leave a server behind) and in a batch job
+    (``SLURM_JOB_ID``, ``PBS_JOBID``, ``LSB_JOBID``: a server started by one job would serve
+    the next job of the user on that node from inside the first one's allocation)."""
     env = os.environ if env is None else env
     value = env.get("GRAPHBUILD_SERVER", "").strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -72,7 +76,9 @@ def server_wanted(env: dict[str, str] | os._Environ | None = None) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     ci = env.get("CI", "").strip().lower()
-    return not (ci not in ("", "0", "false") or "PYTEST_CURRENT_TEST" in env)
+    if ci not in ("", "0", "false") or "PYTEST_CURRENT_TEST" in env:
+        return False
+    return not any(env.get(job) for job in BATCH_JOBS)
 
 
 def idle_seconds(env: dict[str, str] | os._Environ | None = None) -> float:

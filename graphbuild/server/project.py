@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gc
 import importlib
 import json
 import os
 import pickle
+import select
 import socket
 import sys
 import warnings
@@ -23,8 +25,9 @@ from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from graphbuild.server import memo
+from graphbuild.server.paths import idle_seconds
 from graphbuild.server.protocol import ProtocolError, receive, send
-from graphbuild.server.request import REBUILD, run_request
+from graphbuild.server.request import REBUILD, run_request, watch_client
 from graphbuild.server.warm import recompute
 
 __all__ = ["run_project"]
@@ -32,14 +35,18 @@ __all__ = ["run_project"]
 
 def run_project(control: socket.socket, threads: int) -> NoReturn:
     """Serve the requests the server sends over ``control`` until it closes; never returns.
-    A request that finds the project's sources edited goes back to the server (``stale``),
+    Idle for a third of the server's idle time, it drops its models. A request that finds the project's sources edited goes back to the server (``stale``),
     which starts a fresh project process for it."""
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)
+    idle = idle_seconds() / 3
     born = frozenset(sys.modules)
     sources: dict[str, str] = {}
     while True:
+        if memo.MEMO and not select.select([control], [], [], idle)[0]:
+            memo.MEMO.clear()  # idle: its models' memory goes back (the next build rebuilds)
+            gc.collect()
         try:
             request, fds = receive(control)
         except (ProtocolError, OSError):
@@ -98,6 +105,8 @@ def _serve(
         _, status = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(status)
         for note in notes:
+            for key in note.get("used", ()):
+                memo.MEMO.touch(key)
             imported.update(note.get("imported", ()))
             closures.extend(note.get("closures", ()))
         build = next((n["build"] for n in notes if "build" in n), None)
@@ -144,17 +153,18 @@ def _as_client(request: dict[str, Any], fds: list[int]) -> Iterator[None]:
 
 def _build(cfg: Any, request: dict[str, Any], fds: list[int]) -> None:
     """Build ``cfg``'s model here and keep it; a failure keeps nothing (the request's second
-    attempt builds it again and reports the error as the command line does)."""
+    attempt builds it again and reports the error as the command line does). A client that
+    goes away interrupts the build (:func:`~graphbuild.server.request.watch_client`)."""
     key = None
     try:
-        with _as_client(request, fds), warnings.catch_warnings():
+        with watch_client(fds[0]), _as_client(request, fds), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            key = memo.memo_key(cfg)
-            memo.MEMO.pop(key, None)
-            memo.MEMO[key] = memo.build_recorded(cfg, cfg.build_model)
+            key = memo.memo_key(cfg, request["env"])
+            memo.MEMO.pop(key)
+            memo.MEMO.put(key, memo.build_recorded(cfg, cfg.build_model))
     except BaseException:  # the user's factory: anything may fail; the request reports it
         if key is not None:
-            memo.MEMO.pop(key, None)
+            memo.MEMO.pop(key)
 
 
 def _import(names: set[str]) -> None:

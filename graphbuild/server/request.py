@@ -19,16 +19,20 @@ import io
 import json
 import os
 import pickle
+import select
+import signal
 import socket
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from graphbuild.server import memo
 from graphbuild.server.protocol import send
 from graphbuild.server.warm import computed
 
-__all__ = ["REBUILD", "cli_command", "install_loader", "run_request"]
+__all__ = ["REBUILD", "cli_command", "install_loader", "run_request", "watch_client"]
 
 #: The exit status of a request process that asks its project process to build the model.
 REBUILD = 75
@@ -48,14 +52,15 @@ def _write_watch_report(cfg: Any, entry: memo.Entry) -> None:
         json.dump({"files": files}, out)
 
 
-def install_loader(handoff: Any = None) -> None:
+def install_loader(handoff: Any = None, env: dict[str, str] | None = None) -> None:
     """Set :data:`graphbuild.config.settings.model_loader`: a valid memo entry is used; else
     ``handoff(cfg)`` (a request's first attempt) passes the build on, or the model is built
-    here, recording its reads."""
+    here, recording its reads. ``env`` is the client's environment (the memo key's; the
+    command line sets variables of its own), else this process's."""
     from graphbuild.config import settings
 
     def loader(cfg: Any, build: Any) -> Any:
-        entry = memo.MEMO.get(memo.memo_key(cfg))
+        entry = memo.MEMO.get(memo.memo_key(cfg, env))
         if entry is None or entry.changed():
             if handoff is not None:
                 handoff(cfg)
@@ -64,6 +69,45 @@ def install_loader(handoff: Any = None) -> None:
         return entry.value
 
     settings.model_loader = loader
+
+
+def _client_gone(conn: socket.socket) -> bool:
+    """Whether the client closed its end (it died or was killed): the connection reads EOF
+    (a client sends nothing after its request)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+@contextlib.contextmanager
+def watch_client(conn_fd: int, interval: float = 0.2) -> Iterator[None]:
+    """While in the block, a thread polls the client's connection and interrupts this
+    process (``SIGINT``: a ``KeyboardInterrupt`` in the main thread) when the client is gone,
+    so that a killed client (``SIGKILL`` included) does not leave its command running and
+    later placing files. A ``KeyboardInterrupt`` may still arrive as the block ends: the
+    caller catches it."""
+    conn = socket.socket(fileno=os.dup(conn_fd))
+    stop = threading.Event()
+
+    def poll() -> None:
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
+        while not stop.is_set():
+            if poller.poll(interval * 1000) and _client_gone(conn) and not stop.is_set():
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    watcher = threading.Thread(target=poll, name="graphbuild-client-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+        conn.close()
 
 
 def _stdio(fds: list[int], encoding: str) -> None:
@@ -109,8 +153,9 @@ def run_request(
                 sys.stderr.flush()
                 os._exit(REBUILD)
 
-        install_loader(handoff)
-        code = _run_cli()
+        install_loader(handoff, dict(request["env"]))
+        with watch_client(fds[0]):
+            code = _run_cli()
     except BaseException as err:  # a failure of the server itself: say so, exit 1
         print(f"error: graphbuild's build server failed: {err!r}", file=sys.stderr)
     finally:
@@ -126,7 +171,7 @@ def run_request(
             os.dup2(null, fd)
     with contextlib.suppress(Exception):
         _note_imports(notes, born)
-        _note(notes, {"closures": computed()})
+        _note(notes, {"closures": computed(), "used": memo.MEMO.used})
     os._exit(0)
 
 
