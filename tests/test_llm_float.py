@@ -136,7 +136,7 @@ def test_graphbuilds_onnxruntime_runner_generates_the_same_tokens(exported: tupl
 def test_the_float_graphs_depend_on_no_length(exported: tuple) -> None:
     """A new prompt or context length traces no float graph again (they take any)."""
     model, _, _, tmp = exported
-    again = _export(model, tmp / "out", tmp / "cache", prompt_len=8, context_len=32)
+    again = _export(model, tmp / "other", tmp / "cache", prompt_len=8, context_len=32)
     ran = {s.name for s in again.report.stages if s.status is StageStatus.RAN}
     built = (".capture", ".to_onnx", ".bind", ".graph")
     assert not [s for s in ran if ".float." in s and s.endswith(built)]
