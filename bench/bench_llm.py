@@ -2,14 +2,14 @@
 built from a config with seeded weights: nothing downloaded), context 1024, prompt 128.
 
 One process, one fresh cache: the float export cold, warm, after a weight change in one decoder
-layer (the last part's), then the ``w8a16`` preset cold, a preset change (``w8a8``, values
-only) and a scales-only retune (``range_method`` minmax -> moving_average: the calibration's
-statistics are kept, only the scales change). With ``--contexts`` the preset path also prepares
+layer (the last part's), then the ``w8a16`` preset cold, a scales-only retune (``range_method``
+minmax -> moving_average: the calibration's statistics are kept, only the scales change) and a
+preset change (``w8a8``, values only). With ``--contexts`` the preset path also prepares
 each part's weight-shared v73 context binary, and each part's preparation time is reported.
 Each case's fraction is of its path's cold export; peak RSS (the process's high-water mark
 after the cold float export, which holds the model) is a multiple of the fp32 weights.
 
-    python bench/bench_llm.py [--parts 4] [--layers 24] [--contexts] [--save FILE]
+    python bench/bench_llm.py [--parts 4] [--layers 24] [--contexts] [--preset-only] [--save FILE]
 
 Targets (the issue's): warm <= 0.01 of cold; one-layer weight change <= 1/parts of cold + 0.05;
 peak RSS <= 2.5 x the fp32 weights.
@@ -65,6 +65,9 @@ def main() -> None:
     parser.add_argument(
         "--contexts", action="store_true", help="prepare the preset path's HTP context binaries"
     )
+    parser.add_argument(
+        "--preset-only", action="store_true", help="skip the float cases (cold, warm, one layer)"
+    )
     parser.add_argument("--save", default=None, help="write the JSON document here too")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -107,44 +110,57 @@ def main() -> None:
         }
         if contexts:
             cases[case]["context_seconds"] = contexts
+            print("  contexts: " + ", ".join(f"{k} {v:.1f} s" for k, v in contexts.items()))
         print(f"{case:14s} {seconds:8.2f} s  load {load:.2f}  {len(ran)} ran, parts {parts}")
 
+    htp = {"contexts": True, "htp_arch": "v73"} if args.contexts else {}
+    preset = {"quantizer": "w8a16", "calibration": calibration, **htp}
+    failed = None
     try:
-        run("cold", "float")
-        cases["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        run("warm", "float")
-        with torch.no_grad():
-            model.model.layers[args.layers - 1].mlp.down_proj.weight.mul_(1.01)
-        run("one_layer", "float")
-        htp = {"contexts": True, "htp_arch": "v73"} if args.contexts else {}
-        run("preset_cold", "preset", quantizer="w8a16", calibration=calibration, **htp)
-        run("preset_change", "preset", quantizer="w8a8", calibration=calibration, **htp)
+        if not args.preset_only:
+            run("cold", "float")
+            cases["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            run("warm", "float")
+            with torch.no_grad():
+                model.model.layers[args.layers - 1].mlp.down_proj.weight.mul_(1.01)
+            run("one_layer", "float")
+        run("preset_cold", "preset", **preset)
+        run("scales_only", "preset", **preset, range_method="moving_average")
         run(
-            "scales_only",
+            "preset_change",
             "preset",
-            quantizer="w8a8",
-            calibration=calibration,
+            **preset | {"quantizer": "w8a8"},
             range_method="moving_average",
-            **htp,
         )
+    except Exception as exc:  # keep what was measured, and say which case failed
+        failed = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"failed: {failed}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    cold, pcold = cases["cold"]["seconds"], cases["preset_cold"]["seconds"]
+    fractions: dict[str, float] = {}
+    if "cold" in cases and "warm" in cases and "one_layer" in cases:
+        cold = cases["cold"]["seconds"]
+        fractions |= {
+            "warm": cases["warm"]["seconds"] / cold,
+            "one_layer": cases["one_layer"]["seconds"] / cold,
+            "one_layer_target": 1 / args.parts + 0.05,
+        }
+    for case in ("scales_only", "preset_change"):
+        if case in cases:
+            fractions[case] = cases[case]["seconds"] / cases["preset_cold"]["seconds"]
     doc = {
         "model": f"Qwen2.5-0.5B shapes, {args.layers} layers",
         "weights_fp32_bytes": weights,
         **geometry,
         "contexts": args.contexts,
         "cases": cases,
-        "fractions": {
-            "warm": cases["warm"]["seconds"] / cold,
-            "one_layer": cases["one_layer"]["seconds"] / cold,
-            "one_layer_target": 1 / args.parts + 0.05,
-            "preset_change": cases["preset_change"]["seconds"] / pcold,
-            "scales_only": cases["scales_only"]["seconds"] / pcold,
-        },
-        "peak_rss_x_weights": cases["peak_rss_bytes"] / weights,
+        "fractions": fractions,
+        "failed": failed,
     }
+    if "peak_rss_bytes" in cases:
+        doc["peak_rss_x_weights"] = cases["peak_rss_bytes"] / weights
+    end_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the whole run's
+    doc["peak_rss_end_x_weights"] = end_rss / weights
     text = json.dumps(doc, indent=2)
     print(text)
     if args.save:
