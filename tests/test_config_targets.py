@@ -138,7 +138,7 @@ def test_target_tables_are_validated_without_importing_torch(tmp_path):
 def test_one_config_exports_qnn_gguf_and_executorch(tmp_path, monkeypatch):
     """The command line, three times over one graphbuild.toml: each target's files, and
     the keys a target ignores said once each as a ``warning:`` line."""
-    pytest.importorskip("executorch")
+    pytest.importorskip("executorch", reason="exports the executorch target (the executorch extra)")
     from typer.testing import CliRunner
 
     from graphbuild.cli import app

@@ -13,7 +13,7 @@ import graphbuild as gb
 from graphbuild.targets.qnn import htp_runtime as hr
 
 pytest.importorskip("onnxruntime_qnn", reason="the htp extra (onnxruntime-qnn) is not installed")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="builds a transformers Swin (the dev extra)")
 if not hr.availability().available:
     pytest.skip(hr.availability().reason, allow_module_level=True)
 

@@ -14,7 +14,7 @@ from graphbuild.errors import ConfigError
 from tests.llm_models import PROMPT, causal_lm
 
 pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
-tokenizers = pytest.importorskip("tokenizers")
+tokenizers = pytest.importorskip("tokenizers", reason="builds a tokenizer (the dev extra)")
 
 
 def byte_tokenizer():

@@ -42,7 +42,7 @@ def test_fd_2_is_given_back_when_the_block_raises(capfd):
 
 @pytest.mark.slow
 def test_executorchs_cpu_probe_lines_go_to_graphbuilds_log_not_stderr(tmp_path):
-    pytest.importorskip("executorch")
+    pytest.importorskip("executorch", reason="runs ExecuTorch's runtime (the executorch extra)")
     code = (
         "import logging, sys; logging.basicConfig(stream=sys.stdout, level=logging.WARNING, "
         "format='%(name)s: %(message)s'); "
