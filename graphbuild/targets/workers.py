@@ -5,6 +5,7 @@ registered execution provider, an environment for a Vulkan layer) ends with it."
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -39,3 +40,20 @@ def run_worker(
         check=False,
         timeout=timeout,
     )
+
+
+def describe_exit(returncode: int) -> str:
+    """How a worker process ended, for an error message: a signal by name with what it usually
+    means here (a crash inside the backend's native code, or the kernel's out-of-memory killer),
+    else the exit code."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        return f"killed by signal {-returncode}"
+    if name == "SIGKILL":
+        return "killed by SIGKILL (often the out-of-memory killer: check free memory)"
+    if name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGABRT", "SIGFPE"):
+        return f"crashed with {name} inside the backend's native code"
+    return f"killed by {name}"

@@ -23,7 +23,7 @@ from graphbuild.targets.qnn.htp_runtime.backend import HtpTarget
 from graphbuild.targets.qnn.htp_runtime.context import PreparedContext
 from graphbuild.targets.qnn.htp_runtime.errors import HtpRefusedError
 from graphbuild.targets.qnn.htp_runtime.partition import PartitionReport
-from graphbuild.targets.workers import run_worker
+from graphbuild.targets.workers import describe_exit, run_worker
 
 __all__ = ["CONTEXT_DIR", "MODEL", "RESULT", "prepare_context_isolated"]
 
@@ -51,8 +51,9 @@ def prepare_context_isolated(model: Path, target: HtpTarget, out: Path) -> Prepa
         result_file = work / RESULT
         if not result_file.is_file():
             raise ExportError(
-                f"preparing the context for {target} in a new process failed (exit "
-                f"{proc.returncode}): {proc.stderr.strip()[-2000:]}"
+                f"preparing the context for {target} in a new process failed "
+                f"({describe_exit(proc.returncode)}): "
+                f"{proc.stderr.strip()[-2000:] or 'it wrote nothing to stderr'}"
             )
         result = json.loads(result_file.read_text())
         if "refused" in result:

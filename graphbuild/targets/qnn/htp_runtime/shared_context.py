@@ -59,7 +59,7 @@ from graphbuild.targets.qnn.htp_runtime.shared_weights import (
     _weight_sharing,
     require_weight_sharing,
 )
-from graphbuild.targets.workers import run_worker
+from graphbuild.targets.workers import describe_exit, run_worker
 
 __all__ = [
     "RECIPE",
@@ -288,8 +288,8 @@ def _run_worker(work: Path, request: Mapping[str, Any], what: str) -> dict[str, 
     proc, result = spawn_worker(work, request)
     if result is None:
         raise ExportError(
-            f"{what} in a new process failed (exit {proc.returncode}): "
-            f"{proc.stderr.strip()[-2000:]}"
+            f"{what} in a new process failed ({describe_exit(proc.returncode)}): "
+            f"{proc.stderr.strip()[-2000:] or 'it wrote nothing to stderr'}"
         )
     return result
 
