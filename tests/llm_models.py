@@ -4,7 +4,12 @@ tokens would make a token comparison test the rounding of the last bit, not the 
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
+
+import graphbuild as gb
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
@@ -82,3 +87,19 @@ def greedy_tokens(model: torch.nn.Module, prompt: list[int], steps: int) -> list
 def min_margin(logits: list[torch.Tensor]) -> float:
     """The smallest lead of the chosen token over the runner-up across generation steps."""
     return min(float(torch.topk(step, 2).values.diff().abs()) for step in logits)
+
+
+def export_llm(model: torch.nn.Module, out: Path, cache: Path, options: dict, **kwargs: Any):
+    """The qnn target's ``llm`` export of ``model`` as ``lm`` into ``out``, PROMPT its sample
+    prompt: every llm test's one way to export (``kwargs`` go to :func:`graphbuild.export`)."""
+    return gb.export(
+        model,
+        (torch.tensor([PROMPT]),),
+        out,
+        "lm",
+        target="qnn",
+        format="llm",
+        options=options,
+        cache=cache,
+        **kwargs,
+    )

@@ -11,9 +11,8 @@ import onnx
 import pytest
 import torch
 
-import graphbuild as gb
 from graphbuild.engine.events import StageStatus
-from tests.llm_models import FAMILIES, PROMPT, causal_lm, greedy_tokens
+from tests.llm_models import FAMILIES, PROMPT, causal_lm, export_llm, greedy_tokens
 
 pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
 
@@ -42,16 +41,7 @@ def lm_running_32(family: str) -> tuple[torch.nn.Module, list[int]]:
 
 
 def _export(model, out: Path, cache: Path, **options):
-    return gb.export(
-        model,
-        (torch.tensor([PROMPT]),),
-        out,
-        "lm",
-        target="qnn",
-        format="llm",
-        options={**GEOMETRY, **options},
-        cache=cache,
-    )
+    return export_llm(model, out, cache, {**GEOMETRY, **options})
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.ort_runner import onnx_caller
 from graphbuild.targets.qnn.llm.plan import make_plan
 from graphbuild.targets.qnn.llm.runner import PartRunner
-from tests.llm_models import FAMILIES, PROMPT, causal_lm, greedy_tokens, min_margin
+from tests.llm_models import FAMILIES, PROMPT, causal_lm, export_llm, greedy_tokens, min_margin
 
 pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
 
@@ -26,16 +26,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def _export(model, out: Path, cache: Path, **options):
-    return gb.export(
-        model,
-        (torch.tensor([PROMPT]),),
-        out,
-        "lm",
-        target="qnn",
-        format="llm",
-        options={**GEOMETRY, **options},
-        cache=cache,
-    )
+    return export_llm(model, out, cache, {**GEOMETRY, **options})
 
 
 def _ran(artifacts) -> set[str]:

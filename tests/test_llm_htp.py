@@ -14,10 +14,9 @@ import pytest
 import torch
 from onnx import helper, numpy_helper
 
-import graphbuild as gb
 from graphbuild.engine.events import StageStatus
 from graphbuild.errors import ConfigError
-from tests.llm_models import PROMPT, causal_lm
+from tests.llm_models import PROMPT, causal_lm, export_llm
 
 pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
 
@@ -45,16 +44,7 @@ needs_htp = pytest.mark.skipif(bool(_backend_reason()), reason=_backend_reason()
 
 
 def _export(model, out: Path, cache: Path, **options):
-    return gb.export(
-        model,
-        (torch.tensor([PROMPT]),),
-        out,
-        "lm",
-        target="qnn",
-        format="llm",
-        options={**GEOMETRY, "quantizer": "w8a16", **options},
-        cache=cache,
-    )
+    return export_llm(model, out, cache, {**GEOMETRY, "quantizer": "w8a16", **options})
 
 
 def _ran(artifacts) -> set[str]:

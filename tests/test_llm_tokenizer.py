@@ -7,11 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-import graphbuild as gb
 from graphbuild.errors import ConfigError
-from tests.llm_models import PROMPT, causal_lm
+from tests.llm_models import causal_lm, export_llm
 
 pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
 tokenizers = pytest.importorskip("tokenizers", reason="builds a tokenizer (the dev extra)")
@@ -31,15 +29,8 @@ def byte_tokenizer():
 
 
 def _export(model, out: Path, cache: Path, **options):
-    return gb.export(
-        model,
-        (torch.tensor([PROMPT]),),
-        out,
-        "lm",
-        target="qnn",
-        format="llm",
-        options={"prompt_len": 4, "context_len": 64, "parts": 2, **options},
-        cache=cache,
+    return export_llm(
+        model, out, cache, {"prompt_len": 4, "context_len": 64, "parts": 2, **options}
     )
 
 

@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import graphbuild as gb
 from graphbuild.api import LOCK_FILE, ExportRequest, build_pipeline
 from graphbuild.engine.codecs import encode, roundtrip
 from graphbuild.engine.events import StageStatus
 from graphbuild.targets.qnn.llm.stages import coverage_summary
-from tests.llm_models import PROMPT, causal_lm
+from tests.llm_models import PROMPT, causal_lm, export_llm
 
 pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
 
@@ -21,17 +20,7 @@ GEOMETRY = dict(prompt_len=4, context_len=32, parts=4)
 
 
 def _export(model, out: Path, cache: Path, **kwargs):
-    return gb.export(
-        model,
-        (torch.tensor([PROMPT]),),
-        out,
-        "lm",
-        target="qnn",
-        format="llm",
-        options=GEOMETRY,
-        cache=cache,
-        **kwargs,
-    )
+    return export_llm(model, out, cache, GEOMETRY, **kwargs)
 
 
 def _exclusive_stages(model, out: Path) -> set[str]:
