@@ -3,6 +3,8 @@ sequential run, stages overlapping in time, within the declared memory budget.""
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 import time
 
@@ -13,6 +15,7 @@ from graphbuild.engine.events import EventKind
 from graphbuild.engine.pipeline import Pipeline
 from graphbuild.errors import PipelineError, StageError
 from tests.engine_helpers import DECODES, Box, Recorder, reset
+from tests.process_memory import TreeRss, tree_rss
 
 #: bytes each part stage declares, and what it is doing now (measured inside the stages)
 PART_BYTES = 100
@@ -179,3 +182,47 @@ def test_an_exclusive_stage_runs_with_nothing_beside_it(tmp_path):
     others = [s for s in ("p1", "p3", "p4") if timeline[s][0] < end and start < timeline[s][1]]
     assert others == []
     assert _overlapping(result.report.timeline, {"p1", "p3", "p4"}) >= 2
+
+
+#: what each stage of the resident-memory test allocates and touches
+HELD_BYTES = 96 * 2**20
+
+
+def _holding(index):
+    def part(inputs, samples, ctx):
+        held = bytearray(b"\x01") * HELD_BYTES  # written: every page resident
+        time.sleep(0.4)
+        return Box(f"{inputs[0].text} / part {index} held {held[-1]}")
+
+    return part
+
+
+def _holding_pipeline() -> Pipeline:
+    p = Pipeline(name="holding")
+    p.register_stage(_source, "source", reads=("ctx.seed",))
+    names = []
+    for i in range(1, 5):
+        ref = p.register_stage(_holding(i), f"p{i}", reads=()).depends_on("source")
+        p.declare_cost(ref, memory=HELD_BYTES)
+        names.append(ref.name)
+    p.register_stage(_join, "join", reads=()).depends_on(*names)
+    return p
+
+
+def _resident_growth(tmp_path, name, **resources) -> int:
+    """Bytes the process's resident memory grew by at most while the pipeline ran."""
+    gc.collect()
+    before = tree_rss(os.getpid())
+    with TreeRss(interval=0.01) as measured:
+        _run(_holding_pipeline(), Cache(tmp_path / name), **resources)
+    return measured.peak - before
+
+
+def test_the_memory_budget_bounds_the_resident_memory_of_four_parts(tmp_path):
+    """Four stages that each hold what they declare: four jobs hold about four at once, a
+    budget of two parts' bytes keeps the process's measured peak to about two."""
+    unbounded = _resident_growth(tmp_path, "unbounded", jobs=4)
+    bounded = _resident_growth(tmp_path, "bounded", jobs=4, memory=2 * HELD_BYTES)
+
+    assert unbounded > 3 * HELD_BYTES  # the sampling sees the stages' memory
+    assert bounded <= 2 * HELD_BYTES + 32 * 2**20  # the budget, and a little of the engine's
