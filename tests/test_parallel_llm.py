@@ -11,6 +11,7 @@ import torch
 from graphbuild.api import LOCK_FILE, ExportRequest, build_pipeline
 from graphbuild.engine.codecs import encode, roundtrip
 from graphbuild.engine.events import StageStatus
+from graphbuild.targets.qnn.llm.costs import context_bytes
 from graphbuild.targets.qnn.llm.stages import coverage_summary
 from tests.llm_models import PROMPT, causal_lm, export_llm
 
@@ -105,3 +106,25 @@ def test_a_budget_of_one_part_never_runs_two_parts_weights_at_once(tmp_path: Pat
         held = sum(m for s, e, m in spans if s <= start < e)
         assert held <= budget or sum(1 for s, e, m in spans if s <= start < e and m) == 1
     assert max(sum(1 for s, e, _ in spans if s <= t < e) for t, _, _ in spans) > 1  # not serial
+
+
+def test_each_parts_context_preparation_declares_what_its_child_process_holds(tmp_path):
+    """A part's HTP context is prepared in a child process holding several times the part's
+    weights (measured: bench_llm's parts): the budget counts that, not the part's bytes."""
+    model = causal_lm("llama", layers=4)
+    options = {**GEOMETRY, "contexts": True, "htp_arch": "v73", "quantizer": "w8a16"}
+    request = ExportRequest(
+        model,
+        (torch.tensor([PROMPT]),),
+        tmp_path,
+        "lm",
+        target="qnn",
+        format="llm",
+        options=options,
+    )
+    pipeline = build_pipeline(request)
+    for i in range(1, 5):
+        graph = pipeline.cost(f"p{i}.prompt.bind").memory  # the part's weight bytes
+        assert graph > 0
+        assert pipeline.cost(f"p{i}.context.v73").memory == context_bytes(graph)
+        assert context_bytes(graph) > 4 * graph

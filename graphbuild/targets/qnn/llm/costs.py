@@ -32,3 +32,23 @@ def declare_part_costs(p: Pipeline, names: Mapping[str, str], weight_bytes: int)
     """Declare the costs of one part graph's stages (``names``: sub-pipeline name -> name)."""
     for sub_name, name in names.items():
         p.declare_cost(name, memory=weight_bytes, exclusive=sub_name in TRACING)
+
+
+#: What preparing a part's HTP context holds, in its child process, per byte of the part's fp32
+#: weights, and beside them (Python, onnxruntime and QNN's libraries): measured on bench_llm's
+#: Qwen2.5-0.5B-shaped parts, w8a16, context 256, peaks of 2786 MiB for the embedding's part
+#: (519 MiB of weights), 2800 MiB for the LM head's with two layers (633 MiB) and 909 MiB for
+#: three layers (171 MiB).
+CONTEXT_BYTES_PER_WEIGHT_BYTE = 4.5
+CONTEXT_FIXED_BYTES = 512 * 2**20
+
+
+def context_bytes(weight_bytes: int) -> int:
+    """Bytes preparing the context of a part whose fp32 weights are ``weight_bytes`` holds."""
+    return int(CONTEXT_BYTES_PER_WEIGHT_BYTE * weight_bytes) + CONTEXT_FIXED_BYTES
+
+
+def declare_context_cost(p: Pipeline, name: str, weight_bytes: int) -> None:
+    """Declare what preparing one part's HTP context holds (:func:`context_bytes`) and its one
+    core: QNN's offline preparer, in a child process, computes on one thread."""
+    p.declare_cost(name, memory=context_bytes(weight_bytes))

@@ -33,7 +33,7 @@ from graphbuild.targets.qnn.llm import bundle, htp_bundle, stages
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.bundle import CPU
 from graphbuild.targets.qnn.llm.check import check_generation, check_generation_htp
-from graphbuild.targets.qnn.llm.costs import declare_part_costs, part_bytes
+from graphbuild.targets.qnn.llm.costs import declare_context_cost, declare_part_costs, part_bytes
 from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
 from graphbuild.targets.qnn.llm.include import include_part
 from graphbuild.targets.qnn.llm.parts import FLOAT
@@ -153,7 +153,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     if opts.check_htp:
         _add_htp_checks(p, opts.htp_targets(), plan, graphs_of)
     if targets:
-        products += _add_context_stages(p, targets, graphs_of, plan, rope)
+        products += _add_context_stages(p, targets, graphs_of, plan, rope, held)
         files |= htp_bundle.bundle_files(
             layout, request.model_name, targets, genai=rope is not None
         )
@@ -263,9 +263,11 @@ def _add_context_stages(
     graphs_of: dict[int, list[StageRef]],
     plan: StageRef,
     rope: StageRef | None,
+    held: dict[int, int],
 ) -> list[str]:
     """``p<i>.context.<label>`` per part and HTP target, ``htp_bundle`` (with an 8-bit KV
-    cache: genai's) and ``genie_bundle`` (:mod:`.htp_bundle`); their names, as products."""
+    cache: genai's) and ``genie_bundle`` (:mod:`.htp_bundle`); their names, as products.
+    A part's preparation declares its part's bytes (:func:`.costs.declare_context_cost`)."""
     from graphbuild.targets.qnn.pipeline.htp import HTP_BACKEND, QNN_HTP
 
     names = []
@@ -286,6 +288,7 @@ def _add_context_stages(
                 f"p{index}.context.{t.label}",
                 reads=("ctx.model_name", HTP_BACKEND, QNN_HTP),
             ).depends_on(*graphs)
+            declare_context_cost(p, ref, held[index])
             names.append(ref.name)
     pairs = tuple((t.htp_arch, t.soc_model) for t in targets)
     if rope is not None:
