@@ -1,5 +1,5 @@
-"""A real local Ray cluster for the sweep tests: a head node and a second node on 127.0.0.1,
-one worker process each, bounded in time and torn down.
+"""A real local Ray cluster for the sweep and parallel-export tests: a head node and a second
+node on 127.0.0.1, one worker process each, bounded in time and torn down.
 
 Each node is ``ray start --block`` in a session of its own, so that stopping it (SIGTERM,
 then SIGKILL to the session's process group) ends every process it started and nothing
@@ -10,6 +10,7 @@ saying why, where Ray is not installed (``pip install 'graphbuild[ray]'``).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -144,3 +145,27 @@ class RayCluster:
             if proc.poll() is None:
                 proc.wait(timeout=10)
         self.nodes.clear()
+
+
+def kill_a_worker_holding_a_lease(
+    proc: subprocess.Popen, cluster: RayCluster, url: str, among: set[str] | None = None
+) -> tuple[int, str]:
+    """Watch the shared cache's leases; SIGKILL the first Ray worker seen holding one (in the
+    middle of building a stage; with ``among``, a stage of one of these keys). (pid, lease
+    key)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        for key in client.scan_iter(match="graphbuild:v1:i:lease:*"):
+            if among is not None and key.decode().rsplit(":", 1)[1] not in among:
+                continue
+            raw = client.get(key)
+            owner = json.loads(raw)["owner"] if raw else ""
+            pid = int(owner.rsplit(":", 2)[1]) if owner.count(":") >= 2 else -1
+            if pid in cluster.worker_pids() and pid != proc.pid:
+                os.kill(pid, signal.SIGKILL)
+                return pid, key.decode()
+        time.sleep(0.01)
+    raise AssertionError("no worker was seen holding a lease")

@@ -1,7 +1,8 @@
-"""One LLM export (4 parts) built as Ray tasks on a local cluster of two nodes that share one
-Redis (``graphbuild export --executor ray``): the files and lock of a sequential export, byte
-for byte, each part graph built once across the cluster, the timeline naming the workers; a
-worker killed while it builds a stage costs a retry, not a wrong or missing file.
+"""One LLM export (4 parts, ``w8a16``, each part's weight-shared HTP context) built as Ray
+tasks on a local cluster of two nodes that share one Redis (``graphbuild export --executor
+ray``): the files and lock of a sequential export, byte for byte, each part graph and each
+part's context built once across the cluster, the timeline naming the workers; a worker killed
+while it prepares a part's context costs a retry, not a wrong or missing file.
 
 Slow: the Ray cluster takes 10-20 s to start, and each export a minute or two on two loaded
 cores.
@@ -18,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_cluster import ROOT, RayCluster, require_ray
-from tests.test_sweep_ray import _kill_a_worker_holding_a_lease
+from tests.ray_cluster import ROOT, RayCluster, kill_a_worker_holding_a_lease, require_ray
 
 pytestmark = pytest.mark.slow
 
@@ -54,10 +54,15 @@ def _project(root: Path) -> Path:
             [cache]
             lease_seconds = 3
 
+            [quantization]
+            preset = "w8a16"
+
             [options]
             prompt_len = 4
             context_len = 32
             parts = {PARTS}
+            contexts = true
+            htp_arch = "v73"
             """
         )
     )
@@ -86,9 +91,18 @@ def _files(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+def _htp_missing() -> str:
+    from graphbuild.targets.qnn.htp_runtime import availability
+
+    found = availability()
+    return "" if found.available else found.reason
+
+
 @pytest.fixture(scope="module")
 def sequential(tmp_path_factory):
     """The export built one stage at a time in one process, with a cache of its own."""
+    if _htp_missing():
+        pytest.skip(_htp_missing())
     root = tmp_path_factory.mktemp("seq")
     config = _project(root / "project")
     doc = _finish(_export(config, root / "out", root / "cache", "-j", "1"))
@@ -126,21 +140,32 @@ def test_four_parts_on_two_ray_nodes_sharing_one_redis(sequential, tmp_path, red
     assert set(where) == seq_ran  # every stage the sequential export ran, once, on the cluster
     graphs = [f"p{i}.{kind}.graph" for i in range(1, PARTS + 1) for kind in ("prompt", "token")]
     assert set(graphs) <= set(where)
+    contexts = [f"p{i}.context.v73" for i in range(1, PARTS + 1)]
+    assert set(contexts) <= set(where)  # each prepared once, the timeline says by which worker
     assert len(set(where.values())) == 2  # both nodes' workers built stages
 
 
-def test_a_worker_killed_mid_stage_costs_a_retry_not_a_file(sequential, tmp_path, redis_url):
+def _key(doc: dict, stage: str) -> str:
+    (key,) = [s["key"] for s in doc["stages"] if s["name"] == stage]
+    return key
+
+
+def test_a_worker_killed_preparing_a_context_costs_a_retry_not_a_file(
+    sequential, tmp_path, redis_url
+):
     require_ray()
-    config, reference, _ = sequential
+    config, reference, seq = sequential
     nodes = [tmp_path / "node-a", tmp_path / "node-b"]
 
     cluster = RayCluster(nodes)
     with cluster as address:
         args = ("--executor", "ray", "--ray-address", address, "--cache-url", redis_url)
         proc = _export(config, tmp_path / "out", tmp_path / "coordinator", *args)
-        killed, _ = _kill_a_worker_holding_a_lease(proc, cluster, redis_url)
+        preparing = {_key(seq, f"p{i}.context.v73") for i in range(1, PARTS + 1)}
+        killed, lease = kill_a_worker_holding_a_lease(proc, cluster, redis_url, among=preparing)
         doc = _finish(proc)
 
     _same_files(tmp_path / "out", reference)
-    workers = set(_ran_once_each(doc).values())
-    assert killed not in {int(w.rsplit(":", 1)[1]) for w in workers}
+    where = _ran_once_each(doc)
+    (stage,) = [s["name"] for s in doc["stages"] if s["key"] == lease.rsplit(":", 1)[1]]
+    assert int(where[stage].rsplit(":", 1)[1]) != killed  # built again, by another worker

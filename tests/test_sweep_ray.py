@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import graphbuild as gb
-from tests.ray_cluster import ROOT, RayCluster, require_ray
+from tests.ray_cluster import ROOT, RayCluster, kill_a_worker_holding_a_lease, require_ray
 from tests.sweep_helpers import write_config
 
 pytestmark = pytest.mark.slow
@@ -107,25 +105,6 @@ def test_nine_variants_on_two_ray_nodes_sharing_one_redis(local_sweep, tmp_path,
     _verify_shared_cache(redis_url)
 
 
-def _kill_a_worker_holding_a_lease(proc, cluster: RayCluster, url: str) -> tuple[int, str]:
-    """Watch the shared cache's leases; SIGKILL the first Ray worker seen holding one (in the
-    middle of building a stage). (pid, lease key)."""
-    import redis
-
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline:
-        for key in client.scan_iter(match="graphbuild:v1:i:lease:*"):
-            raw = client.get(key)
-            owner = json.loads(raw)["owner"] if raw else ""
-            pid = int(owner.rsplit(":", 2)[1]) if owner.count(":") >= 2 else -1
-            if pid in cluster.worker_pids() and pid != proc.pid:
-                os.kill(pid, signal.SIGKILL)
-                return pid, key.decode()
-        time.sleep(0.01)
-    raise AssertionError("no worker was seen holding a lease")
-
-
 def test_a_worker_killed_mid_stage_is_retried_and_the_files_are_the_same(
     local_sweep, tmp_path, redis_url
 ):
@@ -136,7 +115,7 @@ def test_a_worker_killed_mid_stage_is_retried_and_the_files_are_the_same(
     cluster = RayCluster(nodes)
     with cluster as address:
         sweep = _sweep_on_ray(config, tmp_path, redis_url, address)
-        killed, lease = _kill_a_worker_holding_a_lease(sweep, cluster, redis_url)
+        killed, lease = kill_a_worker_holding_a_lease(sweep, cluster, redis_url)
         doc = _finish(sweep)
 
     assert killed not in {int(w.rsplit(":", 1)[1]) for w in doc["sweep"]["workers"]}
