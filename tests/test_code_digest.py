@@ -5,6 +5,7 @@ line of code changes them."""
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import shutil
 import sys
 from pathlib import Path
@@ -144,3 +145,35 @@ def test_code_digest_is_of_the_tree_without_docstrings():
     assert source_code_digest("X = 1\ndef f():\n    return X\n    'dead'\n") != base
     assert source_code_digest("X = '1'\ndef f():\n    return X\n") != base
     assert source_code_digest("def f(:\n") == source_code_digest(b"def f(:\n")  # its bytes
+
+
+def _native_module(folder) -> Path:
+    """A package outside site-packages (``pip install --target``, a vendored folder) whose
+    ``native`` submodule is a compiled extension: the file only, never imported here."""
+    import _json  # a compiled module of the standard library, as the extension's bytes
+
+    package = folder / "gb_vendored"
+    package.mkdir()
+    (package / "__init__.py").write_text("from gb_vendored.native import scale\n")
+    native = package / f"native{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    native.write_bytes(Path(_json.__file__).read_bytes())
+    (folder / "gb_uses_vendored.py").write_text(
+        "def stage():\n    import gb_vendored\n\n    return gb_vendored.scale\n"
+    )
+    return native
+
+
+def test_a_compiled_module_outside_site_packages_keys_by_its_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    native = _native_module(tmp_path)
+    importlib.invalidate_caches()
+    module = importlib.import_module("gb_uses_vendored")
+    monkeypatch.setitem(sys.modules, "gb_uses_vendored", module)
+    monkeypatch.delitem(sys.modules, "gb_vendored", raising=False)
+
+    files = function_files(module.stage)  # not parsed as Python source
+    assert "gb_vendored.native" in files
+
+    native.write_bytes(native.read_bytes() + b"\0")
+    assert function_files(module.stage) != files

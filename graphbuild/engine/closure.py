@@ -5,7 +5,7 @@ defined in a file reaches the names its definition uses (a ``def`` or ``class`` 
 right-hand side of ``x = ...``, decorators, bases); an imported name reaches its definition
 in the module it comes from; ``import m`` reaches all of ``m``. Every file reached counts by
 the digest of its code (:func:`~graphbuild.engine.sources.code_digest`: comments and
-docstrings do not count), installed libraries by their versions. A statement a module runs for its effect
+docstrings do not count; a compiled module by its bytes), installed libraries by their versions. A statement a module runs for its effect
 counts with the names it changes (``TABLE["k"] = ...`` with ``TABLE``); a definition that
 looks names up by string (``globals()``, ``eval``) takes the whole module, and a string that
 names a module outside graphbuild (``import_module("pkg.mod")``) takes that module.
@@ -392,7 +392,9 @@ class _Closure:
                 self.out[f"<lib {module.split('.')[0]}>"] = library_version(module)
                 continue
             self.file(path)  # its bytes revalidate the memoized closure
-            self.out[module] = code_digest(path)
+            self.out[module] = sources.module_digest(path)
+            if not sources.is_source(path):  # compiled: nothing to follow
+                continue
             info = self.info(path, module)
             if name is None:
                 todo.extend((module, n, False) for n in info.uses)

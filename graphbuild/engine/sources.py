@@ -49,6 +49,12 @@ def _library_roots() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=4096)
+def is_source(path: str) -> bool:
+    """Whether a module's file is Python source; else a compiled extension (``.so``,
+    ``.pyd``) or bytecode without its source, which no closure can read past."""
+    return path.endswith(tuple(importlib.machinery.SOURCE_SUFFIXES))
+
+
 def is_library(path: str) -> bool:
     real = os.path.realpath(path)
     return real.startswith(_library_roots()) or "site-packages" in real or "dist-packages" in real
@@ -172,6 +178,12 @@ def code_digest(path: str) -> str:
             source_memo.put(key, "code", known)
         _code_digests[raw] = known
     return known
+
+
+def module_digest(path: str) -> str:
+    """What a module's file counts as: the digest of its code (:func:`code_digest`), or of its
+    bytes where it is compiled (:func:`is_source`)."""
+    return code_digest(path) if is_source(path) else f"compiled {file_digest(path)}"
 
 
 def source_code_digest(source: bytes | str, filename: str = "<source>") -> str:
