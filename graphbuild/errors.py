@@ -101,13 +101,21 @@ class CodecError(GraphbuildError, TypeError):
 class StageError(GraphbuildError):
     """A stage raised; carries the stage name and the stages that ran before it."""
 
+    #: Stages that ran before, named in the message up to this many; past it, the count and
+    #: the last three.
+    NAMED = 8
+
     def __init__(self, stage: str, cause: BaseException, ran_before: tuple[str, ...] = ()):
         self.stage, self.cause, self.ran_before = stage, cause, ran_before
         super().__init__(self.describe(str(cause)))
 
     def describe(self, reason: str) -> str:
         """The message with ``reason`` for the cause's own (e.g. its first line only)."""
-        before = f" (after: {', '.join(self.ran_before)})" if self.ran_before else ""
+        ran = self.ran_before
+        if len(ran) > self.NAMED:  # an LLM's cold export runs hundreds
+            before = f" (after {len(ran)} stages, the last: {', '.join(ran[-3:])})"
+        else:
+            before = f" (after: {', '.join(ran)})" if ran else ""
         return f"stage '{self.stage}' failed{before}: {type(self.cause).__name__}: {reason}"
 
 

@@ -208,6 +208,18 @@ def test_calling_the_pipeline_returns_captured_outputs_and_eval_results():
     assert eval_results["total"] == pytest.approx(float(expected.sum()))
 
 
+def test_a_failure_after_many_stages_names_the_count_and_the_last_few_not_each():
+    err = StageError("p9.graph", ValueError("bad"), tuple(f"s{i}" for i in range(200)))
+
+    assert str(err) == (
+        "stage 'p9.graph' failed (after 200 stages, the last: s197, s198, s199): ValueError: bad"
+    )
+    assert (
+        str(StageError("b", ValueError("x"), ("a",)))
+        == "stage 'b' failed (after: a): ValueError: x"
+    )
+
+
 def test_failing_stage_raises_stage_error_naming_it_skips_dependents_and_attaches_report():
     def broken(inputs, samples, ctx):
         raise RuntimeError("boom")
