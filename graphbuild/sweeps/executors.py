@@ -24,7 +24,7 @@ import logging
 import multiprocessing
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -150,9 +150,11 @@ class RayJobs:
             _ray_job
         )
         self.resources = resources  # a job's Ray resource requests (num_cpus, memory)
+        self.largest = largest_node(ray.nodes()) if resources is not None else {}
 
     def submit(self, job: StageJob) -> Future[JobResult]:
         wanted = dict(self.resources(job)) if self.resources is not None else {}
+        wanted = within_largest_node(wanted, self.largest)
         task = self.task.options(**wanted) if wanted else self.task
         return task.remote(self.shared, job).future()
 
@@ -160,6 +162,36 @@ class RayJobs:
         if self.started:
             self.ray.shutdown()
             self.started = False
+
+
+#: Ray's names of the resources a stage's declared cost asks for, by ``ray.nodes()``'s names.
+_RAY_RESOURCES = {"num_cpus": "CPU", "memory": "memory"}
+
+
+def largest_node(nodes: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """The most of each requestable resource (``num_cpus``, ``memory``) one live node of the
+    cluster has, from ``ray.nodes()``."""
+    largest: dict[str, float] = {}
+    for node in nodes:
+        if not node.get("Alive", True):
+            continue
+        offered = node.get("Resources") or {}
+        for option, name in _RAY_RESOURCES.items():
+            if name in offered:
+                largest[option] = max(largest.get(option, 0.0), float(offered[name]))
+    return largest
+
+
+def within_largest_node(wanted: Mapping[str, Any], largest: Mapping[str, float]) -> dict[str, Any]:
+    """``wanted`` with each request no larger than the largest node offers: Ray queues a task
+    that no node can hold until one that can joins, so a stage declaring more memory (or
+    cores) than any node has would wait forever; it runs on the largest node instead, as a
+    local build runs a stage larger than its budget alone rather than never."""
+    out = dict(wanted)
+    for option, most in largest.items():
+        if option in out and out[option] > most:
+            out[option] = int(most) if option == "memory" else most
+    return out
 
 
 def make_executor(
