@@ -157,15 +157,20 @@ def kill_a_worker_holding_a_lease(
 
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + 600
+    seen: dict[str, str] = {}  # lease key -> owner, for the message when none was killed
     while proc.poll() is None and time.monotonic() < deadline:
         for key in client.scan_iter(match="graphbuild:v1:i:lease:*"):
-            if among is not None and key.decode().rsplit(":", 1)[1] not in among:
-                continue
             raw = client.get(key)
             owner = json.loads(raw)["owner"] if raw else ""
+            seen[key.decode()] = owner
+            if among is not None and key.decode().rsplit(":", 1)[1] not in among:
+                continue
             pid = int(owner.rsplit(":", 2)[1]) if owner.count(":") >= 2 else -1
             if pid in cluster.worker_pids() and pid != proc.pid:
                 os.kill(pid, signal.SIGKILL)
                 return pid, key.decode()
         time.sleep(0.01)
-    raise AssertionError("no worker was seen holding a lease")
+    raise AssertionError(
+        f"no worker was seen holding a lease{' on ' + str(sorted(among)) if among else ''}; "
+        f"seen: {seen}; workers: {cluster.worker_pids()}"
+    )
