@@ -24,9 +24,11 @@ from graphbuild.frontend.statistics import (
 
 
 def observe(batches: list[torch.Tensor], histogram: bool = True) -> Statistics:
+    """One site's statistics over ``batches``, each a calibration batch."""
     obs = GroupStatistics(axis=None, histogram=histogram)
     for x in batches:
         obs(x)
+        obs.end_batch()
     return Statistics(pack({0: obs}))
 
 
@@ -57,6 +59,31 @@ def test_moving_average_is_torchaos_moving_average_observer():
     for x in batches:
         reference(x)
     assert torch.allclose(low, reference.min_val) and torch.allclose(high, reference.max_val)
+
+
+def test_moving_average_of_a_shared_group_averages_batches_not_its_sites():
+    """A group of several sites (a concat's inputs and output share one quantizer) is seen
+    several times per batch: the average runs over each batch's range of all of them, so
+    one site that starts at zeros (an LLM's empty KV cache beside the new keys) cannot pull
+    the range to the 1/50 of the data the per-site average gave (keys quantized with a
+    0.0003 step that saturated them on the first calibration of an ``llm`` export)."""
+    g = torch.Generator().manual_seed(2)
+    obs = GroupStatistics(axis=None, histogram=False)
+    whole = []
+    for i in range(2):  # cache, new keys, their concat: one batch each
+        cache = torch.zeros(64) if i == 0 else torch.randn(64, generator=g)
+        keys = torch.randn(64, generator=g)
+        for x in (cache, keys, torch.cat([cache, keys])):
+            obs(x)
+        obs.end_batch()
+        whole.append(torch.cat([cache, keys]))
+    config = {"method": "moving_average", "averaging": 0.01}
+    low, high = ranges.activation_range(Statistics(pack({0: obs})), 0, config, 255, False)
+    reference = MovingAverageMinMaxObserver(averaging_constant=0.01)
+    for x in whole:
+        reference(x)
+    assert torch.allclose(low, reference.min_val) and torch.allclose(high, reference.max_val)
+    assert float(high - low) > 0.9 * float(whole[0].max() - whole[0].min())
 
 
 def test_percentile_lands_within_a_bucket_of_the_datas_percentile():

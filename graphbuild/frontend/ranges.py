@@ -5,8 +5,10 @@ forward pass), so trying another method or parameter recomputes values only:
 
 - ``minmax`` (the default): the smallest and largest value observed, what PT2E's min/max
   observers give;
-- ``moving_average``: torchao's ``MovingAverageMinMaxObserver`` on the ranges of the observed
-  calls in order, ``m <- m + c * (current - m)`` with ``c = averaging``;
+- ``moving_average``: torchao's ``MovingAverageMinMaxObserver`` on the ranges of the
+  calibration batches in order, ``m <- m + c * (current - m)`` with ``c = averaging`` (a
+  batch's range spans every site of the group, so a concat's empty KV cache does not
+  start the average at zero);
 - ``percentile``: the ``percentile``-th and ``(100 - percentile)``-th percentiles of the
   observed values, read from the histogram (AIMET's percentile analyzer);
 - ``mse``: the range with the least expected quantization error over the histogram, clipped

@@ -7,8 +7,8 @@ a recalibration recomputes and what a preset change reuses. Per observer group (
 - ``min`` and ``max``: what torchao's min/max observers record of every value the group
   saw (per channel along the group's axis for a weight), so a range computed from them is
   exactly the one ``prepare_pt2e`` + calibration + ``convert_pt2e`` gives;
-- ``calls_min`` / ``calls_max``: the range of each observed call in order, for a moving
-  average;
+- ``calls_min`` / ``calls_max``: the range of each calibration batch in order (every value
+  the group saw in it, at all its sites), for a moving average;
 - ``hist`` and ``hist_range`` when asked for: a histogram of the finite values over the
   range they span (``HISTOGRAM_BINS`` bins), for the percentile and MSE range methods.
 
@@ -67,7 +67,13 @@ def static_groups(sites: Sequence[Mapping[str, Any]]) -> set[int]:
 class GroupStatistics:
     """The statistics of one group as calibration goes. Per tensor: torchao's
     ``MinMaxObserver.forward`` written out (the same ops, so the same range), keeping each
-    call's range too; per channel (weights): torchao's ``PerChannelMinMaxObserver``."""
+    calibration batch's range too (:meth:`end_batch` closes one); per channel (weights):
+    torchao's ``PerChannelMinMaxObserver``.
+
+    A batch's range covers every value the group saw in it: a group of several sites (a
+    concat's inputs and output share one quantizer) is seen several times per batch, and a
+    moving average over those sightings would start from whichever site came first (an
+    LLM's empty KV cache: zeros) and keep a few percent of the data's range."""
 
     def __init__(self, axis: int | None, histogram: bool) -> None:
         self.channels = None
@@ -78,6 +84,7 @@ class GroupStatistics:
         self.low = torch.tensor(float("inf"))
         self.high = torch.tensor(float("-inf"))
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.histogram = Histogram() if histogram and axis is None else None
 
     def __call__(self, x: torch.Tensor) -> None:
@@ -89,9 +96,18 @@ class GroupStatistics:
         x = x.detach().to(torch.float32)
         low, high = torch.aminmax(x)
         self.low, self.high = torch.min(low, self.low), torch.max(high, self.high)
-        self.calls.append((low, high))
+        if self._batch is not None:
+            low, high = torch.min(low, self._batch[0]), torch.max(high, self._batch[1])
+        self._batch = (low, high)
         if self.histogram is not None:
             self.histogram.add(x, float(low), float(high))
+
+    def end_batch(self) -> None:
+        """Close the current calibration batch: its range becomes one call of the moving
+        average (a batch the group saw nothing of adds none)."""
+        if self._batch is not None:
+            self.calls.append(self._batch)
+            self._batch = None
 
     def extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(min, max): 0-d per tensor, one per channel."""
@@ -263,6 +279,8 @@ def static_statistics(
         if group not in observed:
             observed[group] = GroupStatistics(groups[group]["axis"], histogram=False)
         observed[group](tensors[name])
+    for obs in observed.values():
+        obs.end_batch()
     return pack(observed)
 
 
@@ -333,6 +351,8 @@ def calibrate(
                 run(*batch)
             except CodecError as err:
                 raise ExportError(f"quantize: calibration batch {index}: {err}") from err
+            for obs in observed.values():
+                obs.end_batch()
     out = pack(observed)
     _check_no_nan(sites, Statistics(out))
     return out

@@ -56,7 +56,7 @@ class QnnOnnxOptions:
     it changed); ``True`` one ``<name>.onnx.data``; ``False`` inline (up to protobuf's 2 GiB).
 
     ``range_method`` sets how a preset's activation ranges come from calibration:
-    ``minmax`` (the observed extremes), ``moving_average`` (of each calibration call's
+    ``minmax`` (the observed extremes), ``moving_average`` (of each calibration batch's
     extremes, constant ``range_averaging``), ``percentile`` (``range_percentile`` and its
     mirror, from a histogram) or ``mse`` (least expected quantization error, AIMET's
     TF-enhanced). Weights always take their min/max.
