@@ -9,7 +9,12 @@ each part's weight-shared v73 context binary, and each part's preparation time i
 Each case's fraction is of its path's cold export; peak RSS (the process's high-water mark
 after the cold float export, which holds the model) is a multiple of the fp32 weights.
 
-    python bench/bench_llm.py [--parts 4] [--layers 24] [--contexts] [--preset-only] [--save FILE]
+    python bench/bench_llm.py [--parts 4] [--layers 24] [--contexts] [--preset-only] [--cold-only]
+        [--stage-rss] [--save FILE]
+
+``--preset-only --cold-only`` is the preset path's cold export alone, in a process of its own
+(its ``peak_rss_x_weights`` is that path's); ``--stage-rss`` samples the resident memory as each
+stage settles and reports the stages it grew most at.
 
 Targets (the issue's): warm <= 0.01 of cold; one-layer weight change <= 1/parts of cold + 0.05;
 peak RSS <= 2.5 x the fp32 weights.
@@ -56,6 +61,44 @@ def qwen2_0_5b(layers: int) -> Any:
     return Qwen2ForCausalLM(config).eval()
 
 
+class _Done(Exception):
+    """The cases asked for ran (``--cold-only``)."""
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class StageRss:
+    """A run listener: (stage, resident bytes) as each stage ran or was loaded."""
+
+    def __init__(self, samples: list[tuple[str, int]]) -> None:
+        self.samples = samples
+
+    def __call__(self, event: Any) -> None:
+        if event.kind.value in ("ran", "loaded"):
+            self.samples.append((f"{event.kind.value} {event.stage}", resident_bytes()))
+
+
+def stage_rss(samples: list[tuple[str, int]], weights: int) -> dict[str, Any]:
+    """Where the resident memory peaked, and the stages it grew most at (x the weights)."""
+    steps = [
+        (name, rss - prev) for (name, rss), (_, prev) in zip(samples[1:], samples[:-1], strict=True)
+    ]
+    top = sorted(steps, key=lambda s: -s[1])[:8]
+    at, high = max(samples, key=lambda s: s[1])
+    return {
+        "high_at": at,
+        "high_x_weights": high / weights,
+        "grew_most": {name: round(d / weights, 3) for name, d in top},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", type=int, default=4)
@@ -67,6 +110,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--preset-only", action="store_true", help="skip the float cases (cold, warm, one layer)"
+    )
+    parser.add_argument(
+        "--cold-only", action="store_true", help="each path's cold export alone (no retunes)"
+    )
+    parser.add_argument(
+        "--stage-rss", action="store_true", help="the resident memory as each stage settles"
     )
     parser.add_argument("--save", default=None, help="write the JSON document here too")
     args = parser.parse_args()
@@ -87,6 +136,8 @@ def main() -> None:
 
     def run(case: str, path: str, **options: Any) -> None:
         gc.collect()
+        samples: list[tuple[str, int]] = []
+        listeners = [StageRss(samples)] if args.stage_rss else []
         t0 = time.perf_counter()
         art = gb.export(
             model,
@@ -97,6 +148,7 @@ def main() -> None:
             format="llm",
             options={**geometry, **options},
             cache=str(tmp / f"cache-{path}"),
+            listeners=listeners,
         )
         seconds = time.perf_counter() - t0
         load = os.getloadavg()[0]
@@ -111,6 +163,9 @@ def main() -> None:
         if contexts:
             cases[case]["context_seconds"] = contexts
             print("  contexts: " + ", ".join(f"{k} {v:.1f} s" for k, v in contexts.items()))
+        cases[case]["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if samples:
+            cases[case]["stage_rss"] = stage_rss(samples, weights)
         print(f"{case:14s} {seconds:8.2f} s  load {load:.2f}  {len(ran)} ran, parts {parts}")
 
     htp = {"contexts": True, "htp_arch": "v73"} if args.contexts else {}
@@ -120,11 +175,15 @@ def main() -> None:
         if not args.preset_only:
             run("cold", "float")
             cases["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            if args.cold_only:
+                raise _Done
             run("warm", "float")
             with torch.no_grad():
                 model.model.layers[args.layers - 1].mlp.down_proj.weight.mul_(1.01)
             run("one_layer", "float")
         run("preset_cold", "preset", **preset)
+        if args.cold_only:
+            raise _Done
         run("scales_only", "preset", **preset, range_method="moving_average")
         run(
             "preset_change",
@@ -132,6 +191,8 @@ def main() -> None:
             **preset | {"quantizer": "w8a8"},
             range_method="moving_average",
         )
+    except _Done:
+        pass
     except Exception as exc:  # keep what was measured, and say which case failed
         failed = f"{type(exc).__name__}: {exc}"[:2000]
         print(f"failed: {failed}")
@@ -159,6 +220,8 @@ def main() -> None:
     }
     if "peak_rss_bytes" in cases:
         doc["peak_rss_x_weights"] = cases["peak_rss_bytes"] / weights
+    elif args.preset_only and args.cold_only and "preset_cold" in cases:
+        doc["peak_rss_x_weights"] = cases["preset_cold"]["peak_rss_bytes"] / weights
     end_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the whole run's
     doc["peak_rss_end_x_weights"] = end_rss / weights
     text = json.dumps(doc, indent=2)

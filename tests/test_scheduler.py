@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 import textwrap
+import weakref
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -517,6 +520,81 @@ def test_check_mode_keeps_the_value_it_recomputed_for_a_rematerialized_hit(cache
     assert CALLS.count("bind") == 1
     result.outputs["bind"]
     assert CALLS.count("bind") == 1 and "bind" not in rec.of(EventKind.LOADED)
+
+
+_RECORDED: list = []  # weak references to what ``_record`` returned
+
+
+def _record(inputs, samples, ctx):
+    value = torch.arange(1 << 16, dtype=torch.float32) * ctx["opset"]
+    _RECORDED.append(weakref.ref(value))
+    return value
+
+
+def _use(inputs, samples, ctx):
+    return float(inputs[0].sum())
+
+
+def recording_pipeline(rematerialize: bool, use_rematerializes: bool = False) -> Pipeline:
+    """record -> use, then ``later`` (reads neither): a large output that one stage reads."""
+    p = Pipeline(name="recording")
+    p.register_stage(
+        stage("record", _record), "record", reads=("ctx.opset",), rematerialize=rematerialize
+    )
+    p.register_stage(
+        stage("use", _use), "use", reads=(), rematerialize=use_rematerializes
+    ).depends_on("record")
+    p.register_stage(stage("later", lambda i, s, c: 1), "later", reads=("ctx.opset",))
+    return p
+
+
+def _alive_when_later_starts(rematerialize: bool, cache) -> tuple[list[bool], Any]:
+    _RECORDED.clear()
+    alive: list[bool] = []
+
+    def listen(event):
+        if event.stage == "later" and event.kind is EventKind.STARTED:
+            gc.collect()
+            alive.extend(r() is not None for r in _RECORDED)
+
+    result = recording_pipeline(rematerialize).run(
+        tiny_net(), SAMPLES, context=CONTEXT, cache=cache, listeners=[listen]
+    )
+    return alive, result
+
+
+def test_a_rematerialized_output_is_let_go_once_no_stage_left_reads_it(cache):
+    alive, _ = _alive_when_later_starts(True, cache)
+    assert alive == [False]
+
+
+def test_a_stored_output_is_kept_for_the_run(cache):
+    alive, _ = _alive_when_later_starts(False, cache)
+    assert alive == [True]
+
+
+def test_a_let_go_output_read_after_the_run_is_recomputed_and_the_same(cache):
+    _, result = _alive_when_later_starts(True, cache)
+    assert CALLS == ["record", "use", "later"]
+    value = result.outputs["record"]
+    assert CALLS == ["record", "use", "later", "record"]
+    assert torch.equal(value, torch.arange(1 << 16, dtype=torch.float32) * CONTEXT["opset"])
+    assert result.report["record"].status == "ran"
+
+
+def test_what_a_read_after_the_run_recomputes_is_let_go_again(cache):
+    _RECORDED.clear()
+    p = recording_pipeline(True, use_rematerializes=True)
+    result = p.run(tiny_net(), SAMPLES, context=CONTEXT, cache=cache)
+    assert result.outputs["use"] == float(torch.arange(1 << 16).sum()) * CONTEXT["opset"]
+    assert CALLS == ["record", "use", "later", "record", "use"]
+    gc.collect()
+    assert [r() is not None for r in _RECORDED] == [False, False]
+
+
+def test_a_let_go_output_is_recomputed_without_a_cache(cache):
+    _, result = _alive_when_later_starts(True, None)
+    assert float(result.outputs["record"].sum()) == result.outputs["use"]
 
 
 def _frozen_now(inputs, samples, ctx):

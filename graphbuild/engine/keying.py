@@ -77,6 +77,9 @@ class StageState:
     manifest: dict[str, Any] | None = None
     value: Any = None
     has_value: bool = False
+    #: its output was let go once no stage of the run read it any more (a rematerialized
+    #: stage's): a later read recomputes it, and does not keep it
+    released: bool = False
     code: str = ""
     code_error: str | None = None
     upstream: list[str] = field(default_factory=list)

@@ -33,6 +33,7 @@ from graphbuild.engine.guard import InputToken, StageContext, Tokens, check_inpu
 from graphbuild.engine.keying import Keys, plan_reads
 from graphbuild.engine.outputs import LazyOutputs, RunResult
 from graphbuild.engine.rebuild import decide
+from graphbuild.engine.release import Readers
 from graphbuild.engine.status import StageStatus
 from graphbuild.engine.toolchain import codec_files, codec_names, toolchain_versions
 from graphbuild.engine.writer import CacheWriter
@@ -127,6 +128,7 @@ class _Run:
         self.unlocked: Callable[[], contextlib.AbstractContextManager[Any]] = _no_lock
         self.stage_lock: Callable[[str], contextlib.AbstractContextManager[Any]] = _no_lock
         self.timeline: list[dict[str, Any]] = []  # filled by the concurrent runner
+        self.readers = Readers(pipeline.graph, self.order)  # what _let_go may drop
 
     def emit(self, event: StageEvent) -> None:
         for listener in self.listeners:
@@ -142,6 +144,7 @@ class _Run:
             for name in self.order:
                 start = time.perf_counter() - t0
                 self.step(name)
+                self._let_go(name)
                 record_timeline(self, name, start, time.perf_counter() - t0)
         return RunReport(
             self.run_id,
@@ -182,6 +185,23 @@ class _Run:
             return
         lease, reason = claimed
         self._execute(name, reason=reason, lease=lease)
+
+    def _let_go(self, name: str) -> None:
+        """Stage ``name`` settled: drop the rematerialized outputs no stage left in the run
+        reads (:mod:`~graphbuild.engine.release`). Sequential runs only: the concurrent
+        runner keeps every output; so does a checked stage."""
+        for done in self.readers.settled(name):
+            self._release(done)
+
+    def _release(self, name: str) -> None:
+        st = self.states[name]
+        settled = st.record.status in (StageStatus.RAN, StageStatus.HIT, StageStatus.CUTOFF)
+        if not (st.has_value and settled and st.record.digest is not None):
+            return
+        if not self.pipeline._stage(name).rematerialize or name in self.check:
+            return  # a checked hit keeps the value its check recomputed
+        self.tokens.forget([st.value])  # the input guard holds what it took tokens of
+        st.value, st.has_value, st.released = None, False, True
 
     def finish_writes(self) -> None:
         """Wait for the cache writes of this run, then keep the cache within its size."""
@@ -249,6 +269,11 @@ class _Run:
         inputs = self._inputs(name)
         ctx = self._context(name, stage, self.states[name].reads)
         value = self._call(name, stage, inputs, ctx)
+        deps = self.pipeline.dependencies(name)
+        # inputs recomputed for this call alone: the input guard is not to hold them either
+        if deps:
+            released = zip(deps, inputs, strict=True)
+            self.tokens.forget(v for d, v in released if self.states[d].released)
         return value, encode(value).digest
 
     def _call(self, name: str, stage: Any, inputs: Any, ctx: StageContext) -> Any:
@@ -343,6 +368,8 @@ class _Run:
         st = self.states[name]
         if st.has_value:
             return st.value
+        if st.released:  # recomputed for this read, let go again afterwards
+            return self._rematerialize(name, keep=False)
         if st.manifest is None:
             raise GraphbuildError(f"stage '{name}' has no output (status {st.record.status})")
         if not bytes_stored(st.manifest["artifact"]):
@@ -361,11 +388,12 @@ class _Run:
         self.emit(StageEvent(EventKind.LOADED, name, st.record.key, time.perf_counter() - t0))
         return value
 
-    def _rematerialize(self, name: str) -> Any:
-        """The value of a hit whose entry keeps the digest, not the bytes: the stage runs
-        again on its inputs and must give the digest its entry records (a stage that does
-        not is not a function of its key, and fails here rather than place another
-        output)."""
+    def _rematerialize(self, name: str, keep: bool = True) -> Any:
+        """The value of a hit whose entry keeps the digest, not the bytes (or of a stage
+        whose output the run let go): the stage runs again on its inputs and must give the
+        digest its entry records (a stage that does not is not a function of its key, and
+        fails here rather than place another output). ``keep``: hold the value for later
+        reads."""
         st = self.states[name]
         rec = st.record
         t0 = time.perf_counter()
@@ -382,7 +410,8 @@ class _Run:
             raise  # an upstream's own failure, already recorded
         except Exception as err:
             raise self._fail(name, err, t0) from err
-        st.value, st.has_value = value, True
+        if keep:
+            st.value, st.has_value = value, True
         why = "recomputed: its cache entry keeps the output's digest, not its bytes"
         self.emit(StageEvent(EventKind.LOADED, name, rec.key, time.perf_counter() - t0, why))
         return value

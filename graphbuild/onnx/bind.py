@@ -96,7 +96,11 @@ def bind(
             plans.append(planner.state_plan(init, source, spec))
         else:
             plans.append(planner.qparam_plan(init))
-    memo = _Memo.entries()
+    # what this bind cannot reuse is let go before it computes: an export in parts binds one
+    # part after another, and would otherwise hold the last part's weights beside these
+    wanted = {p.key for p in plans if p.key is not None}
+    memo = {k: v for k, v in _Memo.entries().items() if k in wanted}
+    _Memo.keep(memo)
     check = checking()  # check mode: compute everything, and compare with what was reused
     done: dict[str, tuple[np.ndarray, str]] = {}
     todo = []

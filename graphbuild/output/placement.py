@@ -260,6 +260,9 @@ def _place(
                     digests[kind_of] = {"name": placed, "xxh3_128": digest, "product": sink}
                     if ranges:
                         digests[kind_of]["ranges"] = ranges
+            # let this product go before the next is loaded: a product recomputed to be
+            # placed (a rematerialized one) is held by nothing else
+            value = items = item = None
         lock = _lock(pipeline, result.report, placement, digests, written)
         (tmp / LOCK_FILE).write_text(_lock_text(lock))
         ours = {p.relative_to(tmp).as_posix() for p in written.values()}

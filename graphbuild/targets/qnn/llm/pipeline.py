@@ -197,18 +197,26 @@ def _add_static_graphs(
         rematerialize=True,
     ).depends_on(plan)
     p.declare_cost(generation, memory=sum(held.values()))
-    graphs, coverages, names_out = [], [], []
-    for index, state in enumerate(states, start=1):
-        kv = p.register_stage(
+    # every part's view of the recording first: the recording itself is then let go, and
+    # each part's share once that part's graphs are built (rematerialized outputs are
+    # dropped when nothing left in the run reads them), not at the end of the export
+    kvs, recorded = {}, {}
+    for index in range(1, len(states) + 1):
+        kvs[index] = p.register_stage(
             functools.partial(stages.part_kv, index), f"p{index}.kv", reads=("ctx.kv_bits",)
         ).depends_on(generation, plan)
         for kind in KINDS:
-            batches = p.register_stage(
+            recorded[index, kind] = p.register_stage(
                 functools.partial(stages.part_batches, index, kind),
                 f"p{index}.{kind}.batches",
                 reads=(),
                 rematerialize=True,
             ).depends_on(generation)
+    graphs, coverages, names_out = [], [], []
+    for index, state in enumerate(states, start=1):
+        kv = kvs[index]
+        for kind in KINDS:
+            batches = recorded[index, kind]
             view = p.register_stage(
                 functools.partial(stages.graph_plan, index, kind), f"p{index}.{kind}.plan", reads=()
             ).depends_on(plan)
@@ -219,6 +227,7 @@ def _add_static_graphs(
                 functools.partial(stages.kv_graph, index, kind),
                 f"p{index}.{kind}.graph",
                 reads=("ctx.kv_bits",),
+                rematerialize=True,  # its weights are bind's: the model holds them
             ).depends_on(names["bind"], kv, view)
             graphs.append(graph)
             graphs_of.setdefault(index, []).append(graph)
