@@ -226,3 +226,27 @@ def test_the_memory_budget_bounds_the_resident_memory_of_four_parts(tmp_path):
 
     assert unbounded > 3 * HELD_BYTES  # the sampling sees the stages' memory
     assert bounded <= 2 * HELD_BYTES + 32 * 2**20  # the budget, and a little of the engine's
+
+
+def test_a_stage_whose_work_is_apart_runs_beside_one_that_runs_alone(tmp_path):
+    """A tracing stage runs alone among the stages that work in this process; a stage whose
+    work is in a child process (an HTP context preparation) runs beside it."""
+    p = Pipeline(name="apart")
+    p.register_stage(_source, "source", reads=("ctx.seed",))
+    for i, kind in enumerate(("trace", "prepare", "near"), start=1):
+        ref = p.register_stage(_part(i), kind, reads=("ctx.fail",)).depends_on("source")
+        p.declare_cost(ref, exclusive=kind == "trace", apart=kind == "prepare")
+
+    result, _ = _run(p, Cache(tmp_path / "c"), jobs=3)
+
+    timeline = result.report.timeline
+    assert _overlapping(timeline, {"trace", "prepare"}) == 2
+    assert _overlapping(timeline, {"trace", "near"}) == 1
+
+
+def test_a_stage_cannot_be_both_alone_and_apart():
+    p = Pipeline(name="both")
+    p.register_stage(_source, "source", reads=("ctx.seed",))
+
+    with pytest.raises(PipelineError, match="exclusive and apart"):
+        p.declare_cost("source", exclusive=True, apart=True)

@@ -8,7 +8,9 @@ and the stages after it wait behind it (no overtaking: the admitted order is the
 one), unless nothing runs: a stage larger than the budget runs alone. A ready stage that must
 run alone (``exclusive``) goes before the others: nothing new starts until the running stages
 end, then it runs, so such stages (an LLM's part captures, ready early) run back to back and
-do not stall the stages after them one by one.
+do not stall the stages after them one by one. Beside it run only stages whose work is in a
+child process and that read no model (``apart``: an HTP context preparation), so a part's
+preparation overlaps the next part's tracing.
 
 Threads, not processes: the heavy work of a stage is torch kernels and hashing, which release
 the GIL, or a child process (HTP context preparation). Every stage settles through the same
@@ -96,18 +98,22 @@ class Admission:
         self.cores = self.bytes = 0
         self.peak_memory = self.peak_cores = 0
         self.exclusive = False  # an exclusive stage runs
+        self.near = 0  # running stages that are not ``apart`` (work in this process)
 
     def fits(self, cost: Cost, anything_running: bool) -> bool:
         if not anything_running:
             return True  # a stage over the budget runs alone rather than never
-        if cost.exclusive or self.exclusive or self.cores + cost.cores > self.jobs:
+        if self.cores + cost.cores > self.jobs:
             return False
+        if (cost.exclusive and self.near) or (self.exclusive and not cost.apart):
+            return False  # alone, but for stages whose work is in a child process
         return self.memory is None or self.bytes + cost.memory <= self.memory
 
     def take(self, cost: Cost) -> None:
         self.cores += cost.cores
         self.bytes += cost.memory
-        self.exclusive = cost.exclusive
+        self.exclusive = self.exclusive or cost.exclusive
+        self.near += not cost.apart
         self.peak_cores = max(self.peak_cores, self.cores)
         self.peak_memory = max(self.peak_memory, self.bytes)
 
@@ -115,6 +121,7 @@ class Admission:
         self.cores -= cost.cores
         self.bytes -= cost.memory
         self.exclusive = self.exclusive and not cost.exclusive
+        self.near -= not cost.apart
 
 
 def run_concurrently(run: Any, jobs: int, memory: int | None) -> Admission:
@@ -167,17 +174,14 @@ def run_concurrently(run: Any, jobs: int, memory: int | None) -> Admission:
     pool = ThreadPoolExecutor(jobs, thread_name_prefix="graphbuild-stage")
     try:
         while names or running:
-            if error is None:
-                ready = [n for n in names if all(d in settled for d in deps[n])]
-                alone = [n for n in ready if costs[n].exclusive]
-                for name in alone[:1] or ready:  # one that runs alone goes first, once drained
-                    cost = costs[name]
-                    if not admission.fits(cost, bool(running)):
-                        break
-                    names.remove(name)
-                    admission.take(cost)
-                    task = contextvars.copy_context().run  # check mode is a context variable
-                    running[pool.submit(task, settle, name)] = name
+            while error is None:  # admit until nothing more fits
+                name = _next(names, settled, deps, costs, admission, bool(running))
+                if name is None:
+                    break
+                names.remove(name)
+                admission.take(costs[name])
+                task = contextvars.copy_context().run  # check mode is a context variable
+                running[pool.submit(task, settle, name)] = name
             if not running:
                 break
             done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -199,6 +203,29 @@ def run_concurrently(run: Any, jobs: int, memory: int | None) -> Admission:
     if names and run.stopped is None and run.failure is None:
         raise RuntimeError(f"stages never became ready: {', '.join(names)}")  # a cycle: a bug
     return admission
+
+
+def _next(
+    names: list[str],
+    settled: set[str],
+    deps: dict[str, list[str]],
+    costs: dict[str, Cost],
+    admission: Admission,
+    anything_running: bool,
+) -> str | None:
+    """The next stage to start, or None. Ready stages go in the sequential order while they
+    fit (no overtaking: the first that does not fit waits, and those after it); a ready stage
+    that runs alone goes first, once the stages running here end; beside it, only stages whose
+    work is in a child process (``apart``) start, in order."""
+    ready = [n for n in names if all(d in settled for d in deps[n])]
+    if admission.exclusive:
+        candidates = [n for n in ready if costs[n].apart]
+    else:
+        candidates = [n for n in ready if costs[n].exclusive][:1] or ready
+    for name in candidates[:1]:
+        if admission.fits(costs[name], anything_running):
+            return name
+    return None
 
 
 def worker() -> str:

@@ -60,11 +60,14 @@ class Cost:
     ``memory`` bytes (an estimate: the weights it reads and what it makes of them),
     ``cores`` (threads' worth of the ``jobs`` it takes) and ``exclusive``: nothing else runs
     beside it (``torch.export`` swaps fake tensors into the model it traces while it runs, so
-    no other stage may read that model meanwhile)."""
+    no other stage may read that model meanwhile), except a stage that is ``apart``: its work
+    is in a child process and it reads no model (an HTP context preparation), so it runs
+    beside an exclusive one."""
 
     memory: int = 0
     cores: int = 1
     exclusive: bool = False
+    apart: bool = False
 
 
 def _check_reads(name: str, reads: Iterable[str] | None) -> tuple[str, ...] | None:
@@ -166,7 +169,13 @@ class Pipeline:
         return StageRef(self, name)
 
     def declare_cost(
-        self, name: StageRef | str, *, memory: int = 0, cores: int = 1, exclusive: bool = False
+        self,
+        name: StageRef | str,
+        *,
+        memory: int = 0,
+        cores: int = 1,
+        exclusive: bool = False,
+        apart: bool = False,
     ) -> None:
         """Declare what stage ``name`` holds while it runs (:class:`Cost`): a build with
         ``jobs`` > 1 admits it only while the declared memory of the running stages fits the
@@ -177,7 +186,10 @@ class Pipeline:
             raise PipelineError(
                 f"stage '{name}': memory >= 0 and cores >= 1, got {memory}, {cores}"
             )
-        self.graph.nodes[name]["cost"] = Cost(int(memory), int(cores), bool(exclusive))
+        if exclusive and apart:
+            raise PipelineError(f"stage '{name}': exclusive and apart exclude each other")
+        cost = Cost(int(memory), int(cores), bool(exclusive), bool(apart))
+        self.graph.nodes[name]["cost"] = cost
 
     def cost(self, name: str) -> Cost:
         """What stage ``name`` declared it holds while it runs (nothing: 0 bytes, 1 core)."""

@@ -50,5 +50,6 @@ def context_bytes(weight_bytes: int) -> int:
 
 def declare_context_cost(p: Pipeline, name: str, weight_bytes: int) -> None:
     """Declare what preparing one part's HTP context holds (:func:`context_bytes`) and its one
-    core: QNN's offline preparer, in a child process, computes on one thread."""
-    p.declare_cost(name, memory=context_bytes(weight_bytes))
+    core: QNN's offline preparer, in a child process, computes on one thread; it reads the
+    part's bound graphs, never the model, so it runs beside a part's tracing (``apart``)."""
+    p.declare_cost(name, memory=context_bytes(weight_bytes), apart=True)
