@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -138,8 +139,17 @@ def main() -> None:
     parser.add_argument("--ray", action="store_true", help="also on a local 2-node Ray cluster")
     parser.add_argument("--no-sequential", action="store_true", help="skip the -j 1 case")
     parser.add_argument("--save", default=None, help="write the JSON document here too")
+    parser.add_argument("--keep", action="store_true", help="keep the cases' folders")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="graphbuild-bench-parallel-"))
+    try:
+        _bench(args, tmp)
+    finally:  # each case's cache and bundles: gigabytes with --contexts
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _bench(args: argparse.Namespace, tmp: Path) -> None:
     config = _project(
         tmp / "project", args.layers, args.parts, args.prompt, args.context, args.contexts
     )
