@@ -188,10 +188,19 @@ def test_an_exclusive_stage_runs_with_nothing_beside_it(tmp_path):
 HELD_BYTES = 96 * 2**20
 
 
+#: how many holding stages hold their bytes now; each waits (up to a second) for all four,
+#: so those that run at once hold at once however slowly a loaded machine starts them
+HOLDING = threading.Condition()
+HOLDERS = {"now": 0}
+
+
 def _holding(index):
     def part(inputs, samples, ctx):
         held = bytearray(b"\x01") * HELD_BYTES  # written: every page resident
-        time.sleep(0.4)
+        with HOLDING:
+            HOLDERS["now"] += 1
+            HOLDING.notify_all()
+            HOLDING.wait_for(lambda: HOLDERS["now"] >= 4, timeout=1.0)
         return Box(f"{inputs[0].text} / part {index} held {held[-1]}")
 
     return part
@@ -212,6 +221,7 @@ def _holding_pipeline() -> Pipeline:
 def _resident_growth(tmp_path, name, **resources) -> int:
     """Bytes the process's resident memory grew by at most while the pipeline ran."""
     gc.collect()
+    HOLDERS["now"] = 0
     before = tree_rss(os.getpid())
     with TreeRss(interval=0.01) as measured:
         _run(_holding_pipeline(), Cache(tmp_path / name), **resources)
