@@ -128,3 +128,21 @@ def test_each_parts_context_preparation_declares_what_its_child_process_holds(tm
         assert graph > 0
         assert pipeline.cost(f"p{i}.context.v73").memory == context_bytes(graph)
         assert context_bytes(graph) > 4 * graph
+
+
+def test_a_parts_contexts_are_prepared_before_the_next_part_is_built(tmp_path):
+    """One stage at a time, a part's contexts come right after its graphs, so the part's
+    bound graphs can be let go before the next part binds its own."""
+    options = {**GEOMETRY, "contexts": True, "htp_arch": "v73", "quantizer": "w8a16"}
+    request = ExportRequest(
+        causal_lm("llama", layers=4),
+        (torch.tensor([PROMPT]),),
+        tmp_path,
+        "lm",
+        target="qnn",
+        format="llm",
+        options=options,
+    )
+    order = build_pipeline(request).order()
+    for i in range(1, 4):
+        assert order.index(f"p{i}.context.v73") < order.index(f"p{i + 1}.prompt.bind")

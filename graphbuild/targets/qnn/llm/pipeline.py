@@ -20,7 +20,7 @@ changed); a retune reruns values only; ``prompt_len`` / ``context_len`` change t
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -114,9 +114,14 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     held = {i: part_bytes(layout.part_module(lm, i)) for i in range(1, len(specs) + 1)}
     graphs_of: dict[int, list[StageRef]] = {}
     static_graphs, coverages, graph_names = [], [], []
+    contexts: list[str] = []  # each part's, registered right after its graphs
+
+    def part_contexts(index: int, graphs: list[StageRef]) -> None:
+        contexts.extend(_add_part_contexts(p, targets, index, len(specs), graphs, held[index]))
+
     if static:
         static_graphs, coverages, graph_names = _add_static_graphs(
-            p, sub_request, layout, plan, states, graphs_of, held
+            p, sub_request, layout, plan, states, graphs_of, held, part_contexts
         )
     products = [] if float_cpu else [g.name for g in static_graphs]
     files = set() if float_cpu else {f"{CPU}/{name}.onnx" for name in graph_names}
@@ -153,7 +158,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     if opts.check_htp:
         _add_htp_checks(p, opts.htp_targets(), plan, graphs_of)
     if targets:
-        products += _add_context_stages(p, targets, graphs_of, plan, rope, held)
+        products += [*contexts, *_add_bundle_stages(p, targets, plan, rope)]
         files |= htp_bundle.bundle_files(
             layout, request.model_name, targets, genai=rope is not None
         )
@@ -178,6 +183,7 @@ def _add_static_graphs(
     states: list[StageRef],
     graphs_of: dict[int, list[StageRef]],
     held: dict[int, int],
+    part_done: Callable[[int, list[StageRef]], None],
 ) -> tuple[list[StageRef], list[str], list[str]]:
     """Each part's prompt and token graphs, with the integer KV cache their calibration
     ranges give (``llm_generation``, ``p<i>.kv``); fills ``graphs_of`` (part -> graphs).
@@ -233,6 +239,7 @@ def _add_static_graphs(
             graphs_of.setdefault(index, []).append(graph)
             coverages.append(names["coverage"])
             names_out.append(layout.graph_name(index, kind))
+        part_done(index, graphs_of[index])
     return graphs, coverages, names_out
 
 
@@ -266,39 +273,53 @@ def _add_float_graphs(
     return graphs, coverages
 
 
-def _add_context_stages(
+def _add_part_contexts(
     p: Pipeline,
     targets: Sequence[HtpTarget],
-    graphs_of: dict[int, list[StageRef]],
-    plan: StageRef,
-    rope: StageRef | None,
-    held: dict[int, int],
+    index: int,
+    count: int,
+    graphs: list[StageRef],
+    weight_bytes: int,
 ) -> list[str]:
-    """``p<i>.context.<label>`` per part and HTP target, ``htp_bundle`` (with an 8-bit KV
-    cache: genai's) and ``genie_bundle`` (:mod:`.htp_bundle`); their names, as products.
-    A part's preparation declares its part's bytes (:func:`.costs.declare_context_cost`)."""
+    """``p<index>.context.<label>`` per HTP target (:func:`.htp_bundle.part_context`), each
+    declaring what its child process holds; their names. Registered right after the part's
+    graphs, so a sequential build prepares a part's contexts before it builds the next part
+    and lets the part's graphs go."""
     from graphbuild.targets.qnn.pipeline.htp import HTP_BACKEND, QNN_HTP
 
     names = []
     for t in targets:
         htp, genie = htp_bundle.folders(t, targets)
-        for index, graphs in graphs_of.items():
-            stage = functools.partial(
-                htp_bundle.part_context,
-                index,
-                len(graphs_of),
-                htp,
-                genie,
-                htp_arch=t.htp_arch,
-                soc_model=t.soc_model,
-            )
-            ref = p.register_stage(
-                stage,
-                f"p{index}.context.{t.label}",
-                reads=("ctx.model_name", HTP_BACKEND, QNN_HTP),
-            ).depends_on(*graphs)
-            declare_context_cost(p, ref, held[index])
-            names.append(ref.name)
+        stage = functools.partial(
+            htp_bundle.part_context,
+            index,
+            count,
+            htp,
+            genie,
+            htp_arch=t.htp_arch,
+            soc_model=t.soc_model,
+        )
+        ref = p.register_stage(
+            stage,
+            f"p{index}.context.{t.label}",
+            reads=("ctx.model_name", HTP_BACKEND, QNN_HTP),
+        ).depends_on(*graphs)
+        declare_context_cost(p, ref, weight_bytes)
+        names.append(ref.name)
+    return names
+
+
+def _add_bundle_stages(
+    p: Pipeline,
+    targets: Sequence[HtpTarget],
+    plan: StageRef,
+    rope: StageRef | None,
+) -> list[str]:
+    """``htp_bundle`` (with an 8-bit KV cache: genai's) and ``genie_bundle``
+    (:mod:`.htp_bundle`); their names, as products."""
+    from graphbuild.targets.qnn.pipeline.htp import HTP_BACKEND
+
+    names = []
     pairs = tuple((t.htp_arch, t.soc_model) for t in targets)
     if rope is not None:
         names.append(
