@@ -108,21 +108,20 @@ def test_a_budget_of_one_part_never_runs_two_parts_weights_at_once(tmp_path: Pat
     assert max(sum(1 for s, e, _ in spans if s <= t < e) for t, _, _ in spans) > 1  # not serial
 
 
+def _with_contexts(out: Path):
+    """The pipeline of a 4-part ``w8a16`` export with each part's v73 context."""
+    options = {**GEOMETRY, "contexts": True, "htp_arch": "v73", "quantizer": "w8a16"}
+    data = (torch.tensor([PROMPT]),)
+    request = ExportRequest(
+        causal_lm("llama", layers=4), data, out, "lm", target="qnn", format="llm", options=options
+    )
+    return build_pipeline(request)
+
+
 def test_each_parts_context_preparation_declares_what_its_child_process_holds(tmp_path):
     """A part's HTP context is prepared in a child process holding several times the part's
     weights (measured: bench_llm's parts): the budget counts that, not the part's bytes."""
-    model = causal_lm("llama", layers=4)
-    options = {**GEOMETRY, "contexts": True, "htp_arch": "v73", "quantizer": "w8a16"}
-    request = ExportRequest(
-        model,
-        (torch.tensor([PROMPT]),),
-        tmp_path,
-        "lm",
-        target="qnn",
-        format="llm",
-        options=options,
-    )
-    pipeline = build_pipeline(request)
+    pipeline = _with_contexts(tmp_path)
     for i in range(1, 5):
         graph = pipeline.cost(f"p{i}.prompt.bind").memory  # the part's weight bytes
         assert graph > 0
@@ -133,16 +132,6 @@ def test_each_parts_context_preparation_declares_what_its_child_process_holds(tm
 def test_a_parts_contexts_are_prepared_before_the_next_part_is_built(tmp_path):
     """One stage at a time, a part's contexts come right after its graphs, so the part's
     bound graphs can be let go before the next part binds its own."""
-    options = {**GEOMETRY, "contexts": True, "htp_arch": "v73", "quantizer": "w8a16"}
-    request = ExportRequest(
-        causal_lm("llama", layers=4),
-        (torch.tensor([PROMPT]),),
-        tmp_path,
-        "lm",
-        target="qnn",
-        format="llm",
-        options=options,
-    )
-    order = build_pipeline(request).order()
+    order = _with_contexts(tmp_path).order()
     for i in range(1, 4):
         assert order.index(f"p{i}.context.v73") < order.index(f"p{i + 1}.prompt.bind")
