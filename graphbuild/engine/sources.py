@@ -48,13 +48,13 @@ def _library_roots() -> tuple[str, ...]:
     return tuple(sorted(os.path.realpath(r) + os.sep for r in roots))
 
 
-@functools.lru_cache(maxsize=4096)
 def is_source(path: str) -> bool:
     """Whether a module's file is Python source; else a compiled extension (``.so``,
     ``.pyd``) or bytecode without its source, which no closure can read past."""
     return path.endswith(tuple(importlib.machinery.SOURCE_SUFFIXES))
 
 
+@functools.lru_cache(maxsize=4096)
 def is_library(path: str) -> bool:
     real = os.path.realpath(path)
     return real.startswith(_library_roots()) or "site-packages" in real or "dist-packages" in real
