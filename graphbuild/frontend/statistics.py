@@ -96,9 +96,10 @@ class GroupStatistics:
         x = x.detach().to(torch.float32)
         low, high = torch.aminmax(x)
         self.low, self.high = torch.min(low, self.low), torch.max(high, self.high)
-        if self._batch is not None:
-            low, high = torch.min(low, self._batch[0]), torch.max(high, self._batch[1])
-        self._batch = (low, high)
+        if self._batch is None:  # this batch's range so far, for the moving average
+            self._batch = (low, high)
+        else:
+            self._batch = (torch.min(low, self._batch[0]), torch.max(high, self._batch[1]))
         if self.histogram is not None:
             self.histogram.add(x, float(low), float(high))
 
