@@ -222,9 +222,8 @@ def _next(
         candidates = [n for n in ready if costs[n].apart]
     else:
         candidates = [n for n in ready if costs[n].exclusive][:1] or ready
-    for name in candidates[:1]:
-        if admission.fits(costs[name], anything_running):
-            return name
+    if candidates and admission.fits(costs[candidates[0]], anything_running):
+        return candidates[0]
     return None
 
 
