@@ -56,13 +56,14 @@ def _join(inputs, samples, ctx):
     return Box(" + ".join(b.text for b in inputs))
 
 
-def _pipeline(parts: int = 4, memory: int | None = PART_BYTES) -> Pipeline:
-    """``source`` -> ``p1``..``pN`` (independent, each declaring ``memory``) -> ``join``."""
+def _pipeline(parts: int = 4, memory: int | None = PART_BYTES, part=_part) -> Pipeline:
+    """``source`` -> ``p1``..``pN`` (independent, each ``part(i)`` declaring ``memory``) ->
+    ``join``."""
     p = Pipeline(name="parts")
     p.register_stage(_source, "source", reads=("ctx.seed",))
     names = []
     for i in range(1, parts + 1):
-        ref = p.register_stage(_part(i), f"p{i}", reads=("ctx.fail",)).depends_on("source")
+        ref = p.register_stage(part(i), f"p{i}", reads=("ctx.fail",)).depends_on("source")
         if memory:
             p.declare_cost(ref, memory=memory)
         names.append(ref.name)
@@ -206,25 +207,13 @@ def _holding(index):
     return part
 
 
-def _holding_pipeline() -> Pipeline:
-    p = Pipeline(name="holding")
-    p.register_stage(_source, "source", reads=("ctx.seed",))
-    names = []
-    for i in range(1, 5):
-        ref = p.register_stage(_holding(i), f"p{i}", reads=()).depends_on("source")
-        p.declare_cost(ref, memory=HELD_BYTES)
-        names.append(ref.name)
-    p.register_stage(_join, "join", reads=()).depends_on(*names)
-    return p
-
-
 def _resident_growth(tmp_path, name, **resources) -> int:
     """Bytes the process's resident memory grew by at most while the pipeline ran."""
     gc.collect()
     HOLDERS["now"] = 0
     before = tree_rss(os.getpid())
     with TreeRss(interval=0.01) as measured:
-        _run(_holding_pipeline(), Cache(tmp_path / name), **resources)
+        _run(_pipeline(memory=HELD_BYTES, part=_holding), Cache(tmp_path / name), **resources)
     return measured.peak - before
 
 
