@@ -122,6 +122,19 @@ def test_a_weight_change_in_one_layer_rebuilds_only_the_part_that_holds_it(
     assert not [s for s in ran if s.endswith((".capture", ".to_onnx", ".lower_markers"))]
 
 
+def test_a_structure_change_in_one_layer_retraces_only_the_part_that_holds_it(
+    tmp_path: Path,
+) -> None:
+    """An attribute of layer 2's attention (the last part's) is structure: that part's graphs
+    trace again, the other parts' stay hits."""
+    model = causal_lm("llama")
+    _export(model, tmp_path / "out", tmp_path / "cache")
+    model.model.layers[2].self_attn.note = "retuned"
+    ran = _ran(_export(model, tmp_path / "out", tmp_path / "cache"))
+    traced = {s.split(".")[0] for s in ran if s.endswith(".capture")}
+    assert traced == {"p3"}
+
+
 def test_a_preset_change_recomputes_values_and_traces_nothing(tmp_path: Path) -> None:
     model = causal_lm("qwen3", layers=2)
     _export(model, tmp_path / "out", tmp_path / "cache", quantizer="w8a16")

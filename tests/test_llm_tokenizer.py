@@ -95,6 +95,8 @@ def test_a_new_tokenizer_is_placed_and_rebinds_no_graph(bundle: tuple) -> None:
     ran = {s.name for s in again.report.stages if s.status is StageStatus.RAN}
     assert "tokenizer" in ran
     assert not [s for s in ran if s.endswith((".bind", ".graph"))]
+    assert not [s for s in ran if s.endswith((".capture", ".to_onnx"))], "nothing retraces"
+    assert "llm_generation" not in ran, "nothing recalibrates"
     placed = json.loads((tmp / "out" / "cpu" / "tokenizer.json").read_text())
     assert placed["normalizer"]["type"] == "Lowercase"
 

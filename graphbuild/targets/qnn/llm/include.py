@@ -9,6 +9,9 @@ declare so the keys stay exact:
 
 - ``input.state`` / ``input`` become the part's own weight digests (an upstream stage): a weight
   change in one part leaves the other parts' stages clean;
+- ``input.structure`` / ``input`` become the digests of the part's module tree (an upstream
+  stage): a change to another part's modules or to what the model carries beside them (its
+  tokenizer) traces nothing here;
 - ``samples.*`` become the part plan (shapes follow from it);
 - a stage that calibrates (reads ``ctx.calibration``) also depends on the part's recorded inputs.
 """
@@ -24,6 +27,7 @@ from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.plan import LlmPlan
 
 _STATE_READS = {"input", "input.state"}
+_STRUCTURE_READS = {"input", "input.structure"}
 _SAMPLE_READS = {"samples", "samples.spec", "samples.values"}
 
 
@@ -98,12 +102,15 @@ def include_part(
     kind: str,
     plan: StageRef,
     state: StageRef,
+    structure: StageRef,
     batches: StageRef | None,
     replace: Mapping[str, Callable[..., Any]] | None = None,
 ) -> dict[str, str]:
     """Copy ``sub``'s stages into ``p`` as ``p<index>.<kind>.<name>``; returns old -> new names.
-    ``replace`` runs another function for a stage, under its declared reads (the float graphs'
-    ``capture``); ``batches`` is None where no stage calibrates (a float graph)."""
+    ``state`` and ``structure`` are the part's weight and module-tree digests (``p<i>.state``,
+    ``p<i>.structure``). ``replace`` runs another function for a stage, under its declared
+    reads (the float graphs' ``capture``); ``batches`` is None where no stage calibrates (a
+    float graph)."""
     replace = replace or {}
     prefix = f"p{index}.{kind}."
     names = {name: prefix + name for name in sub.order()}
@@ -111,12 +118,13 @@ def include_part(
         stage = sub.get_stage(name).stage
         reads = set(stage.reads) if stage.reads is not None else {"input", "samples"}
         extra: list[StageRef] = []
-        new_reads = {r for r in reads if r not in _STATE_READS | _SAMPLE_READS}
+        new_reads = {r for r in reads if r not in _STATE_READS | _STRUCTURE_READS | _SAMPLE_READS}
         if reads & _STATE_READS or stage.reads is None:
             new_reads.add(UNKEYED_INPUT)
             extra.append(state)
-        if "input.structure" in reads or "input" in reads:
-            new_reads.add("input.structure")
+        if reads & _STRUCTURE_READS or stage.reads is None:
+            new_reads.add(UNKEYED_INPUT)
+            extra.append(structure)
         calibrates = "ctx.calibration" in reads or "samples.values" in reads
         if calibrates:
             if batches is None:

@@ -6,7 +6,7 @@
       |                                  |                                 |
       +-> llm_generation (digest only) -> p<i>.<kind>.batches              |
       |          +-----------------------> p<i>.kv                         |
-      +-> p<i>.state                                                       |
+      +-> p<i>.state, p<i>.structure (the part's weight / module digests)  |
                                                                            v
     p<i>.<kind>.capture -> ... -> p<i>.<kind>.bind -> p<i>.<kind>.graph (KV as integers)
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from graphbuild.engine.pipeline import Pipeline, StageRef
+from graphbuild.engine.pipeline import UNKEYED_INPUT, Pipeline, StageRef
 from graphbuild.errors import ConfigError
 from graphbuild.targets.base import Request, coerce_options
 from graphbuild.targets.qnn.arch.targets import HtpTarget
@@ -110,6 +110,14 @@ def build_llm_pipeline(request: Request) -> Pipeline:
         ).depends_on(plan)
         for index in range(1, len(specs) + 1)
     ]
+    structures = [
+        p.register_stage(
+            functools.partial(stages.part_structure, index),
+            f"p{index}.structure",
+            reads=("input.structure",),
+        ).depends_on(plan)
+        for index in range(1, len(specs) + 1)
+    ]
     lm = find_causal_lm(model)
     held = {i: part_bytes(layout.part_module(lm, i)) for i in range(1, len(specs) + 1)}
     graphs_of: dict[int, list[StageRef]] = {}
@@ -121,14 +129,14 @@ def build_llm_pipeline(request: Request) -> Pipeline:
 
     if static:
         static_graphs, coverages, graph_names = _add_static_graphs(
-            p, sub_request, layout, plan, states, graphs_of, held, part_contexts
+            p, sub_request, layout, plan, states, structures, graphs_of, held, part_contexts
         )
     products = [] if float_cpu else [g.name for g in static_graphs]
     files = set() if float_cpu else {f"{CPU}/{name}.onnx" for name in graph_names}
     rope = None
     if float_cpu:
         float_graphs, float_coverages = _add_float_graphs(
-            p, sub_request, layout, plan, states, held
+            p, sub_request, layout, plan, states, structures, held
         )
         if not static:
             coverages = float_coverages
@@ -181,6 +189,7 @@ def _add_static_graphs(
     layout: LlmPlan,
     plan: StageRef,
     states: list[StageRef],
+    structures: list[StageRef],
     graphs_of: dict[int, list[StageRef]],
     held: dict[int, int],
     part_done: Callable[[int, list[StageRef]], None],
@@ -195,13 +204,13 @@ def _add_static_graphs(
         "llm_generation",
         reads=(
             "input.state",
-            "input.structure",
+            UNKEYED_INPUT,  # the parts' modules: keyed by their digests, upstream
             "ctx.calibration",
             "ctx.calibration_steps",
             "samples.values",
         ),
         rematerialize=True,
-    ).depends_on(plan)
+    ).depends_on(plan, *structures)
     p.declare_cost(generation, memory=sum(held.values()))
     # every part's view of the recording first: the recording itself is then let go, and
     # each part's share once that part's graphs are built (rematerialized outputs are
@@ -219,7 +228,7 @@ def _add_static_graphs(
                 rematerialize=True,
             ).depends_on(generation)
     graphs, coverages, names_out = [], [], []
-    for index, state in enumerate(states, start=1):
+    for index, (state, structure) in enumerate(zip(states, structures, strict=True), start=1):
         kv = kvs[index]
         for kind in KINDS:
             batches = recorded[index, kind]
@@ -227,7 +236,7 @@ def _add_static_graphs(
                 functools.partial(stages.graph_plan, index, kind), f"p{index}.{kind}.plan", reads=()
             ).depends_on(plan)
             sub = build_qnn_pipeline(sub_request, "onnx_qdq")
-            names = include_part(p, sub, index, kind, view, state, batches)
+            names = include_part(p, sub, index, kind, view, state, structure, batches)
             declare_part_costs(p, names, held[index])
             graph = p.register_stage(
                 functools.partial(stages.kv_graph, index, kind),
@@ -249,6 +258,7 @@ def _add_float_graphs(
     layout: LlmPlan,
     plan: StageRef,
     states: list[StageRef],
+    structures: list[StageRef],
     held: dict[int, int],
 ) -> tuple[list[StageRef], list[str]]:
     """Each part's float graph (``p<i>.float.*``): the part traced with dynamic lengths and
@@ -257,13 +267,13 @@ def _add_float_graphs(
     from graphbuild.targets.qnn.pipeline.build import build_qnn_pipeline
 
     graphs, coverages = [], []
-    for index, state in enumerate(states, start=1):
+    for index, (state, structure) in enumerate(zip(states, structures, strict=True), start=1):
         view = p.register_stage(
             functools.partial(stages.graph_plan, index, FLOAT), f"p{index}.{FLOAT}.plan", reads=()
         ).depends_on(plan)
         sub = build_qnn_pipeline(sub_request, "onnx_qdq")
         replaced = {"capture": stages.capture_float}
-        names = include_part(p, sub, index, FLOAT, view, state, None, replaced)
+        names = include_part(p, sub, index, FLOAT, view, state, structure, None, replaced)
         declare_part_costs(p, names, held[index])
         graph = p.register_stage(
             functools.partial(stages.float_graph, index), f"p{index}.{FLOAT}.graph", reads=()

@@ -6,17 +6,19 @@ the calibration prompts as a runtime would (prompt, then tokens) and records wha
 received and the range of every KV tensor; it is large and cheap to redo relative to storing
 it, so the cache keeps its digest only. Values: ``p<i>.kv`` (the part's KV encodings),
 ``p<i>.<kind>.batches`` (its calibration batches), ``p<i>.state`` (digests of its weights, which
-the part graph's value stages key on instead of the whole model's state).
+the part graph's value stages key on instead of the whole model's state), ``p<i>.structure``
+(digests of its module tree, what its traces key on instead of the whole model's structure).
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import torch
 
-from graphbuild.engine.fingerprint import state_digests
-from graphbuild.errors import ConfigError
+from graphbuild.engine.fingerprint import state_digests, structure_fingerprint
+from graphbuild.errors import ConfigError, FingerprintError
 from graphbuild.frontend.capture import capture_program
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.bundle import CPU
@@ -71,8 +73,9 @@ def llm_generation(inputs: tuple, samples: Any, context: Any) -> dict[str, Any]:
     ``calibration_steps`` tokens through the prompt graphs, then those one at a time through
     the token graphs (teacher forcing, so a layer's statistics depend on the tokens and the
     layers before it alone). Records every part's inputs per graph kind, and the largest
-    |value| of each KV tensor."""
-    (plan_json,) = inputs
+    |value| of each KV tensor. ``inputs``: the plan, then each part's structure digests (which
+    key it: the rest of the model is not run)."""
+    plan_json = inputs[0]
     plan = LlmPlan.from_json(plan_json)
     lm = find_causal_lm(context.input)
     batches: dict[str, list[tuple[torch.Tensor, ...]]] = {
@@ -124,6 +127,22 @@ def part_state(index: int, inputs: tuple, samples: Any, context: Any) -> dict[st
     plan = LlmPlan.from_json(plan_json)
     module = plan.part_module(find_causal_lm(context.input), index)
     return dict(sorted(state_digests(module).tensors.items()))
+
+
+def part_structure(index: int, inputs: tuple, samples: Any, context: Any) -> dict[str, Any]:
+    """Digests of part ``index``'s module tree (its classes, attributes and code): what its
+    graphs' traces key on instead of the whole model's structure, so a change elsewhere in the
+    model (its tokenizer, another part's layers) reruns this stage alone and traces nothing.
+    A tree that cannot be fingerprinted gives a digest of its own each run: always retrace,
+    never a stale graph."""
+    (plan_json,) = inputs
+    plan = LlmPlan.from_json(plan_json)
+    module = plan.part_module(find_causal_lm(context.input), index)
+    try:
+        fp = structure_fingerprint(module)
+    except FingerprintError as err:
+        return {"unfingerprintable": str(err), "run": uuid.uuid4().hex}
+    return {"digest": fp.digest, "modules": dict(sorted(fp.modules.items()))}
 
 
 def capture_float(model: Any, samples: Any, context: Any) -> Any:
