@@ -6,6 +6,7 @@ with onnx.helper: a 2-layer MLP whose int8 weights (2 MiB) dominate, w8a16, seq 
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import numpy as np
@@ -189,6 +190,22 @@ def test_one_binary_holds_both_graphs_and_one_copy_of_the_weights(tmp_path):
     assert all(ONE_COPY < s < 1.5 * ONE_COPY for s in separate)
     assert sum(separate) > 1.8 * ONE_COPY
     assert sum(separate) > 1.7 * size
+
+
+@needs_htp
+def test_the_binary_names_its_graphs_after_onnxruntimes_fused_nodes_not_the_given_names(tmp_path):
+    """onnxruntime names the node it fuses for a plugin execution provider itself, and
+    onnxruntime-qnn 2.7 names the QNN graph after it (``ep.context_node_name_prefix`` is read
+    but not applied): AI Hub's names are not in the binary, only in the EPContext models.
+    Should a later onnxruntime-qnn name the graphs, this fails and docs/qnn-llm.md changes."""
+    prepared = hr.prepare_shared_context(part(), V73, tmp_path, "part_1_of_1")
+    binary = prepared.binary.read_bytes()
+    for graph in prepared.graphs:
+        fused = r"QNNExecutionProvider_QNNExecutionProvider_\d+_\d+_0"
+        assert re.fullmatch(fused, graph.qnn_graph), graph.qnn_graph
+        assert graph.qnn_graph.encode() in binary
+        assert graph.name.encode() not in binary
+        assert onnx.load(str(graph.model)).graph.name == graph.name
 
 
 @needs_htp

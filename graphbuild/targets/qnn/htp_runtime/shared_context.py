@@ -21,10 +21,13 @@ refuses midway leaves it holding the half-built context, which a later preparati
 process would otherwise add its graphs to. The binary is renamed ``<name>.bin`` and each
 EPContext model, ``<graph name>.onnx``, points at it.
 
-The QNN graph names are not the given names: QNN's execution provider names each graph after
-the node onnxruntime fuses, ``QNNExecutionProvider_QNNExecutionProvider_<hash of the model's
-load path>_<n>_0`` (``ep.context_node_name_prefix`` is read but not applied); the EPContext
-model's graph carries the given name, and :class:`SharedGraph` maps one to the other.
+The QNN graph names are not the given names, and onnxruntime-qnn 2.7 cannot make them so: QNN's
+execution provider names each graph (and its EPContext node, and that node's ``partition_name``)
+after the node onnxruntime fuses for it, which onnxruntime names itself, for any plugin
+execution provider, ``<EP>_<EP>_<hash of the model's load path>_<id>_<k>``: here
+``QNNExecutionProvider_QNNExecutionProvider_<hash>_<n>_0``. The plugin API gives the provider
+no say in it, and ``ep.context_node_name_prefix`` is read but not applied. The EPContext model's
+graph carries the given name, and :class:`SharedGraph` maps one to the other.
 
 QNN HTP shares weights between graphs from v73 on; an earlier architecture is refused before
 anything compiles. That guard and the measure of the shared weights are :mod:`.shared_weights`'s
