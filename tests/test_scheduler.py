@@ -573,6 +573,46 @@ def test_a_stored_output_is_kept_for_the_run(cache):
     assert alive == [True]
 
 
+def test_a_large_stored_output_is_let_go_once_no_stage_left_reads_it(cache, monkeypatch):
+    """An output at least ``release.LARGE_BYTES`` large, stored whole in the cache, is not
+    held to the run's end either: placing it reads it back."""
+    monkeypatch.setattr("graphbuild.engine.release.LARGE_BYTES", 1 << 16)
+    alive, _ = _alive_when_later_starts(False, cache)
+    assert alive == [False]
+
+
+def test_a_stored_output_under_the_large_size_is_kept_for_the_run(cache, monkeypatch):
+    monkeypatch.setattr("graphbuild.engine.release.LARGE_BYTES", (1 << 18) + 1)
+    alive, _ = _alive_when_later_starts(False, cache)
+    assert alive == [True]
+
+
+def test_a_let_go_stored_output_is_read_back_from_the_cache_not_recomputed(cache, monkeypatch):
+    monkeypatch.setattr("graphbuild.engine.release.LARGE_BYTES", 1 << 16)
+    _, result = _alive_when_later_starts(False, cache)
+    value = result.outputs["record"]
+    assert CALLS == ["record", "use", "later"]
+    assert torch.equal(value, torch.arange(1 << 16, dtype=torch.float32) * CONTEXT["opset"])
+
+
+def test_a_let_go_stored_output_the_cache_lost_is_rebuilt(cache, monkeypatch):
+    monkeypatch.setattr("graphbuild.engine.release.LARGE_BYTES", 1 << 16)
+    _, result = _alive_when_later_starts(False, cache)
+    result.wait_for_cache()
+    for entry in cache.entries():
+        cache.discard({"key": entry.key})
+    value = result.outputs["record"]
+    assert CALLS == ["record", "use", "later", "record"]
+    assert torch.equal(value, torch.arange(1 << 16, dtype=torch.float32) * CONTEXT["opset"])
+
+
+def test_without_a_cache_a_large_stored_output_is_kept(monkeypatch):
+    monkeypatch.setattr("graphbuild.engine.release.LARGE_BYTES", 1 << 16)
+    alive, result = _alive_when_later_starts(False, None)
+    assert alive == [True]
+    assert float(result.outputs["record"].sum()) == result.outputs["use"]
+
+
 def test_a_let_go_output_read_after_the_run_is_recomputed_and_the_same(cache):
     _, result = _alive_when_later_starts(True, cache)
     assert CALLS == ["record", "use", "later"]

@@ -80,6 +80,11 @@ class StageState:
     #: its output was let go once no stage of the run read it any more (a rematerialized
     #: stage's): a later read recomputes it, and does not keep it
     released: bool = False
+    #: its output, stored whole in the cache, was let go the same way (a large one,
+    #: :data:`~graphbuild.engine.release.LARGE_BYTES`): a later read loads it from the cache
+    spilled: bool = False
+    #: its output was handed to the cache writer whole (bytes and all)
+    stored: bool = False
     code: str = ""
     code_error: str | None = None
     upstream: list[str] = field(default_factory=list)

@@ -4,8 +4,10 @@ A rematerialized stage's output (a calibration recording, weights bound into a g
 and cheap to recompute, which is why the cache keeps its digest only. Held to the run's end,
 an export in parts would hold every part's copy at once; so once the last stage of the run that
 reads it has settled, the scheduler drops it, and a later read (placement,
-``RunResult.outputs``) recomputes it and checks its digest. :class:`Readers` counts, for each
-stage, the stages of the run still to read its output.
+``RunResult.outputs``) recomputes it and checks its digest. A stored output of at least
+:data:`LARGE_BYTES` (an LLM part's context binary) is let go the same way when the run has a
+cache, and a later read loads it back from the cache (rebuilding it if the cache lost it).
+:class:`Readers` counts, for each stage, the stages of the run still to read its output.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from collections.abc import Iterable
 
 import networkx as nx
 
-__all__ = ["Readers"]
+__all__ = ["LARGE_BYTES", "Readers"]
+
+#: A stored output this large (encoded) is not held to the end of a run that has a cache: once
+#: no stage of the run reads it, it is let go, and placing it reads it back from the cache.
+LARGE_BYTES = 64 * 2**20
 
 
 class Readers:

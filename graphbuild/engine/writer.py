@@ -26,6 +26,8 @@ class CacheWriter:
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._done = threading.Condition()
+        self._submitted = self._stored = 0
 
     def submit(
         self,
@@ -44,7 +46,16 @@ class CacheWriter:
                 target=self._work, name="graphbuild-cache-writer", daemon=True
             )
             self._thread.start()
+        with self._done:
+            self._submitted += 1
         self._queue.put((key, encoded, record, after, keep_bytes))
+
+    def wait(self) -> None:
+        """Wait until every store submitted so far was attempted (an error it raised is still
+        :meth:`finish`'s to raise)."""
+        with self._done:
+            target = self._submitted
+            self._done.wait_for(lambda: self._stored >= target)
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -55,8 +66,12 @@ class CacheWriter:
             except BaseException as err:  # surfaced by finish(), in the caller's thread
                 self._error = err
             finally:
+                del item, encoded  # the value's bytes go as soon as they are stored
                 if after is not None:
                     after()
+                with self._done:
+                    self._stored += 1
+                    self._done.notify_all()
 
     def finish(self) -> None:
         thread, self._thread = self._thread, None
