@@ -116,3 +116,18 @@ def test_the_files_are_those_of_a_run_that_keeps_every_output(tmp_path: Path) ->
     seq = _digests(tmp_path / "seq")
     assert len(seq) == 6 + 1  # prompt and token graphs of three parts, the position processor
     assert seq == _digests(tmp_path / "kept")
+
+
+def test_placing_the_float_graphs_reads_no_copy_of_their_weights_back_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float part graph holds the model's own weights: placing it recomputes it from them,
+    as the quantized part graphs are, rather than loading a copy of the part's weights from
+    the cache, however large it is."""
+    monkeypatch.setattr("graphbuild.engine.release.LARGE_BYTES", 1)
+    events: list[StageEvent] = []
+    model = causal_lm("llama", layers=4)
+    export_llm(model, tmp_path / "out", tmp_path / "cache", GEOMETRY, listeners=[events.append])
+    placed = [e for e in events if e.kind is EventKind.LOADED and e.stage.endswith(".float.graph")]
+    assert placed, "the float graphs are placed from what the run let go"
+    assert all(e.reason.startswith("recomputed") for e in placed), [e.reason for e in placed]

@@ -276,7 +276,10 @@ def _add_float_graphs(
         names = include_part(p, sub, index, FLOAT, view, state, structure, None, replaced)
         declare_part_costs(p, names, held[index])
         graph = p.register_stage(
-            functools.partial(stages.float_graph, index), f"p{index}.{FLOAT}.graph", reads=()
+            functools.partial(stages.float_graph, index),
+            f"p{index}.{FLOAT}.graph",
+            reads=(),
+            rematerialize=True,  # its weights are bind's: the model holds them
         ).depends_on(names["bind"], view)
         graphs.append(graph)
         coverages.append(names["coverage"])
