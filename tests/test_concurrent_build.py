@@ -7,6 +7,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -249,3 +250,65 @@ def test_a_stage_cannot_be_both_alone_and_apart():
 
     with pytest.raises(PipelineError, match="exclusive and apart"):
         p.declare_cost("source", exclusive=True, apart=True)
+
+
+#: weak references to the recordings ``_recording`` returned
+RECORDINGS: list = []
+
+
+def _recording(inputs, samples, ctx):
+    import torch
+
+    value = torch.arange(1 << 16, dtype=torch.float32) * ctx["seed"]
+    RECORDINGS.append(weakref.ref(value))
+    return value
+
+
+def _reading(index):
+    def read(inputs, samples, ctx):
+        time.sleep(0.1)  # the two readers run at once
+        return Box(f"part {index}: {float(inputs[0].sum())}")
+
+    return read
+
+
+def _recording_pipeline() -> Pipeline:
+    """``record`` (rematerialized: large, its digest cached) -> ``r1``, ``r2`` (read it at
+    once) -> ``after`` (reads their outputs, not the recording)."""
+    p = Pipeline(name="recording")
+    p.register_stage(_recording, "record", reads=("ctx.seed",), rematerialize=True)
+    for i in (1, 2):
+        p.register_stage(_reading(i), f"r{i}", reads=()).depends_on("record")
+    p.register_stage(_join, "after", reads=()).depends_on("r1", "r2")
+    return p
+
+
+def _recording_alive_when_after_starts(cache, jobs):
+    RECORDINGS.clear()
+    alive: list[bool] = []
+
+    def listen(event):
+        if event.stage == "after" and event.kind is EventKind.STARTED:
+            gc.collect()
+            alive.extend(r() is not None for r in RECORDINGS)
+
+    result = _recording_pipeline().run(
+        None, (), context={"seed": 3}, cache=cache, listeners=[listen], jobs=jobs
+    )
+    return alive, result
+
+
+def test_two_jobs_let_go_of_a_rematerialized_output_no_stage_left_reads(tmp_path):
+    """As a sequential run does: once its last reader settled, a rematerialized output is
+    dropped before the run ends; a read after the run recomputes the same value, and the
+    keys, digests and outputs are the sequential run's."""
+    seq_alive, seq = _recording_alive_when_after_starts(Cache(tmp_path / "seq"), jobs=1)
+    par_alive, par = _recording_alive_when_after_starts(Cache(tmp_path / "par"), jobs=2)
+
+    assert seq_alive == [False]
+    assert par_alive == [False]
+    assert _overlapping(par.report.timeline, {"r1", "r2"}) == 2
+    for a, b in zip(seq.report.stages, par.report.stages, strict=True):
+        assert (a.name, a.status, a.key, a.digest) == (b.name, b.status, b.key, b.digest)
+    assert par.outputs["after"] == seq.outputs["after"]
+    assert bool((par.outputs["record"] == seq.outputs["record"]).all())

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from graphbuild.engine import scheduler
 from graphbuild.engine.events import EventKind, StageEvent
 from graphbuild.targets.qnn.llm import stages
 from tests.llm_models import causal_lm, export_llm
@@ -106,13 +107,17 @@ def _digests(out: Path) -> dict[str, str]:
     }
 
 
-def test_the_files_are_those_of_a_run_that_keeps_every_output(tmp_path: Path) -> None:
-    """The concurrent runner keeps every stage's output to the run's end; the placed graphs
-    of the one-at-a-time run, which lets them go and recomputes them to place them, are the
-    same bytes."""
+def test_the_files_are_those_of_a_run_that_keeps_every_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The placed graphs of the one-at-a-time run, which lets rematerialized outputs go and
+    recomputes them to place them, are the bytes of a run that keeps every stage's output to
+    its end."""
     model = causal_lm("qwen2", layers=4)
     export_llm(model, tmp_path / "seq", tmp_path / "c1", PRESET)
-    export_llm(model, tmp_path / "kept", tmp_path / "c2", PRESET, jobs=2)
+    with monkeypatch.context() as keeping:
+        keeping.setattr(scheduler._Run, "let_go", lambda run, name: None)
+        export_llm(model, tmp_path / "kept", tmp_path / "c2", PRESET)
     seq = _digests(tmp_path / "seq")
     assert len(seq) == 6 + 1  # prompt and token graphs of three parts, the position processor
     assert seq == _digests(tmp_path / "kept")
@@ -131,3 +136,15 @@ def test_placing_the_float_graphs_reads_no_copy_of_their_weights_back_from_the_c
     placed = [e for e in events if e.kind is EventKind.LOADED and e.stage.endswith(".float.graph")]
     assert placed, "the float graphs are placed from what the run let go"
     assert all(e.reason.startswith("recomputed") for e in placed), [e.reason for e in placed]
+
+
+@pytest.mark.slow  # two cold exports of three parts: about 30 s on two cores
+def test_two_jobs_that_let_outputs_go_place_the_one_at_a_time_runs_files(tmp_path: Path) -> None:
+    """Parts built at once let their recordings and bound weights go as they settle too, and
+    place the same bytes."""
+    model = causal_lm("qwen2", layers=4)
+    export_llm(model, tmp_path / "seq", tmp_path / "c1", PRESET)
+    export_llm(model, tmp_path / "par", tmp_path / "c2", PRESET, jobs=2)
+    seq = _digests(tmp_path / "seq")
+    assert len(seq) == 6 + 1
+    assert seq == _digests(tmp_path / "par")

@@ -18,7 +18,9 @@ code as a sequential run (:meth:`~graphbuild.engine.scheduler._Run.step`) under 
 a thread leaves while its stage computes, encodes its output, loads a cache entry or waits on a
 lease; so keys, leases, cache writes, records and events are made one at a time, and the
 report (stage records in the pipeline's order) is a sequential run's. A value two stages both
-need is loaded once (a lock per stage). A stage that fails skips its dependents and the run
+need is loaded once (a lock per stage). A rematerialized output is let go once its last reader
+settled, as in a sequential run (:mod:`~graphbuild.engine.release`), so parts built at once
+do not hold every part's copy to the run's end. A stage that fails skips its dependents and the run
 goes on with the others, as a sequential run does; an error outside a stage (a key that
 differs from the expected one, an interrupt) stops new work and is raised once the running
 stages end.
@@ -161,6 +163,7 @@ def run_concurrently(run: Any, jobs: int, memory: int | None) -> Admission:
             start = time.perf_counter() - t0
             try:
                 run.step(name)
+                run.let_go(name)  # before its dependents start: none can read what it drops
             finally:
                 record_timeline(run, name, start, time.perf_counter() - t0)
 

@@ -1,4 +1,4 @@
-"""Which outputs a sequential run may let go of as it goes.
+"""Which outputs a run may let go of as it goes.
 
 A rematerialized stage's output (a calibration recording, weights bound into a graph) is large
 and cheap to recompute, which is why the cache keeps its digest only. Held to the run's end,
@@ -6,7 +6,9 @@ an export in parts would hold every part's copy at once; so once the last stage 
 reads it has settled, the scheduler drops it, and a later read (placement,
 ``RunResult.outputs``) recomputes it and checks its digest. A stored output of at least
 :data:`LARGE_BYTES` (an LLM part's context binary) is let go the same way when the run has a
-cache, and a later read loads it back from the cache (rebuilding it if the cache lost it).
+cache, and a later read loads it back from the cache (rebuilding it if the cache lost it). A
+run with ``jobs`` > 1 lets go as each stage settles, under the lock its bookkeeping is done
+under: a stage's readers are its dependents, and none starts before it settled.
 :class:`Readers` counts, for each stage, the stages of the run still to read its output.
 """
 

@@ -128,7 +128,7 @@ class _Run:
         self.unlocked: Callable[[], contextlib.AbstractContextManager[Any]] = _no_lock
         self.stage_lock: Callable[[str], contextlib.AbstractContextManager[Any]] = _no_lock
         self.timeline: list[dict[str, Any]] = []  # filled by the concurrent runner
-        self.readers = Readers(pipeline.graph, self.order)  # what _let_go may drop
+        self.readers = Readers(pipeline.graph, self.order)  # what let_go may drop
 
     def emit(self, event: StageEvent) -> None:
         for listener in self.listeners:
@@ -144,7 +144,7 @@ class _Run:
             for name in self.order:
                 start = time.perf_counter() - t0
                 self.step(name)
-                self._let_go(name)
+                self.let_go(name)
                 record_timeline(self, name, start, time.perf_counter() - t0)
         return RunReport(
             self.run_id,
@@ -186,10 +186,10 @@ class _Run:
         lease, reason = claimed
         self._execute(name, reason=reason, lease=lease)
 
-    def _let_go(self, name: str) -> None:
+    def let_go(self, name: str) -> None:
         """Stage ``name`` settled: drop the rematerialized and the large stored outputs no
-        stage left in the run reads (:mod:`~graphbuild.engine.release`). Sequential runs
-        only: the concurrent runner keeps every output; so does a checked stage."""
+        stage left in the run reads (:mod:`~graphbuild.engine.release`); the concurrent runner
+        calls it under its lock as each stage settles. A checked stage keeps its output."""
         for done in self.readers.settled(name):
             self._release(done)
 
