@@ -10,7 +10,7 @@ Each case's fraction is of its path's cold export; peak RSS (the process's high-
 after the cold float export, which holds the model) is a multiple of the fp32 weights.
 
     python bench/bench_llm.py [--parts 4] [--layers 24] [--contexts] [--preset-only] [--cold-only]
-        [--stage-rss] [--save FILE]
+        [--stage-rss] [--jobs 1] [--save FILE]
 
 ``--preset-only --cold-only`` is the preset path's cold export alone, in a process of its own
 (its ``peak_rss_x_weights`` is that path's); ``--stage-rss`` samples the resident memory as each
@@ -117,6 +117,13 @@ def main() -> None:
     parser.add_argument(
         "--stage-rss", action="store_true", help="the resident memory as each stage settles"
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="stages at once (0: the export's default, one per core); the recorded results "
+        "are one at a time",
+    )
     parser.add_argument("--save", default=None, help="write the JSON document here too")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -149,6 +156,7 @@ def main() -> None:
             options={**geometry, **options},
             cache=str(tmp / f"cache-{path}"),
             listeners=listeners,
+            jobs=args.jobs,
         )
         seconds = time.perf_counter() - t0
         load = os.getloadavg()[0]

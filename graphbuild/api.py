@@ -308,9 +308,9 @@ def export(
     ``check_fingerprints`` recomputes every stage that hits and fails loudly when its output
     differs from the cached one (graphbuild's own test of its cache keys). ``jobs``: stages
     built at once (independent ones: an LLM's parts), within ``memory`` bytes of what they
-    declare they hold (None: one at a time; 0: one per core; memory None: most of the free
-    memory; docs/parallel-builds.md), for a pipeline whose stages may run at once (the llm
-    format's); others run one at a time."""
+    declare they hold (1: one at a time; None, the default, or 0: one per core; memory None:
+    most of the free memory; docs/parallel-builds.md), for a pipeline whose stages may run at
+    once (the llm format's); others run one at a time."""
     return export_with_pipeline(
         ExportRequest(
             model=model,

@@ -3,15 +3,21 @@ their workers, and the timeline in ``--json``."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
+import graphbuild as gb
 from graphbuild.cli.progress import Progress
 from graphbuild.config import load_config
+from graphbuild.engine import concurrent
+from graphbuild.engine.codecs import FileArtifact
 from graphbuild.engine.concurrent import build_resources, default_jobs
 from graphbuild.engine.events import EventKind, StageEvent
+from graphbuild.engine.pipeline import Pipeline
 from graphbuild.errors import ConfigError
 from tests.test_cli import environment, invoke, invoke_json, write_config
 
@@ -46,10 +52,72 @@ def test_bad_build_keys_are_refused_naming_the_key(tmp_path, build, message):
 def test_only_a_pipeline_that_declares_its_stages_safe_runs_them_at_once():
     assert build_resources(4, None, parallel_safe=False) == (1, None)
     assert build_resources(4, 1000, parallel_safe=True) == (4, 1000)
-    assert build_resources(None, None, parallel_safe=True) == (1, None)  # the default
     jobs, memory = build_resources(0, None, parallel_safe=True)  # auto
     assert jobs == default_jobs()
     assert memory is None if jobs == 1 else memory > 0
+
+
+def test_by_default_a_safe_pipeline_gets_what_the_machines_cores_and_memory_allow(monkeypatch):
+    monkeypatch.setattr(concurrent, "default_jobs", lambda: 3)
+    monkeypatch.setattr(concurrent, "default_memory", lambda: 5000)
+    assert build_resources(None, None, parallel_safe=True) == (3, 5000)
+    assert build_resources(None, 1000, parallel_safe=True) == (3, 1000)  # [build] memory
+    assert build_resources(1, None, parallel_safe=True) == (1, None)  # -j 1: one at a time
+    assert build_resources(None, None, parallel_safe=False) == (1, None)
+
+
+def _weights(model, samples, ctx):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _note(name):
+    def note(inputs, samples, ctx):
+        time.sleep(0.3)  # releases the GIL, as torch kernels do
+        total = sum(float(v.double().sum()) for v in inputs[0].values())
+        return FileArtifact(f"{name}.txt", f"{name} {total:.6f}\n".encode())
+
+    note.__name__ = name
+    return note
+
+
+def _two_notes(parallel_safe: bool) -> Pipeline:
+    """weights -> ``a``, ``b``: two independent stages, each a file."""
+    p = Pipeline(name="notes")
+    p.register_stage(_weights, "weights", reads=("input.state",))
+    for name in ("a", "b"):
+        p.register_stage(_note(name), name, reads=()).depends_on("weights")
+    p.products = ["a", "b"]
+    p.output_files = frozenset({"a.txt", "b.txt"})
+    p.parallel_safe = parallel_safe
+    return p
+
+
+def _overlap(tmp_path: Path, name: str, parallel_safe: bool = True, **kw) -> bool:
+    """Whether stages ``a`` and ``b`` of a cold export of :func:`_two_notes` overlapped."""
+    torch.manual_seed(0)
+    request = gb.ExportRequest(
+        model=torch.nn.Linear(4, 2),
+        data=(),
+        output_directory=tmp_path / name,
+        model_name="net",
+        target="note",
+        format="file",
+        cache=tmp_path / f"cache-{name}",
+        **kw,
+    )
+    art = gb.export_with_pipeline(request, _two_notes(parallel_safe))
+    (a0, a1), (b0, b1) = (
+        next((e["start"], e["end"]) for e in art.report.timeline if e["stage"] == s)
+        for s in ("a", "b")
+    )
+    return a0 < b1 and b0 < a1
+
+
+def test_an_export_given_no_jobs_builds_a_safe_pipelines_stages_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(concurrent, "default_jobs", lambda: 2)  # whatever this machine has
+    assert _overlap(tmp_path, "default")
+    assert not _overlap(tmp_path, "one", jobs=1)
+    assert not _overlap(tmp_path, "unsafe", parallel_safe=False)
 
 
 def test_progress_names_each_running_stage_and_its_worker():

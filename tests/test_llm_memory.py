@@ -61,8 +61,13 @@ def test_a_parts_calibration_recording_is_let_go_before_the_next_part_is_traced(
         return batches
 
     monkeypatch.setattr(stages, "part_batches", tracked)
-    export_llm(
-        causal_lm("qwen2", layers=4), tmp_path / "out", tmp_path / "c", PRESET, listeners=[live]
+    export_llm(  # one stage at a time: what is alive when each part starts is then fixed
+        causal_lm("qwen2", layers=4),
+        tmp_path / "out",
+        tmp_path / "c",
+        PRESET,
+        listeners=[live],
+        jobs=1,
     )
     assert sorted(live.refs) == [1, 2, 3]
     # part 1 is traced after the recording was sliced; each part's share then goes with it
@@ -93,8 +98,13 @@ def test_a_parts_bound_weights_are_let_go_before_the_part_after_next_is_bound(
         return graphs
 
     monkeypatch.setattr(stages, "kv_graph", tracked)
-    export_llm(
-        causal_lm("qwen2", layers=4), tmp_path / "out", tmp_path / "c", PRESET, listeners=[live]
+    export_llm(  # one stage at a time: what is alive when each part starts is then fixed
+        causal_lm("qwen2", layers=4),
+        tmp_path / "out",
+        tmp_path / "c",
+        PRESET,
+        listeners=[live],
+        jobs=1,
     )
     assert sorted(live.refs) == [1, 2, 3]  # every part bound computed weights
     assert live.alive["p3.prompt.bind"] == [2]
@@ -114,10 +124,10 @@ def test_the_files_are_those_of_a_run_that_keeps_every_output(
     recomputes them to place them, are the bytes of a run that keeps every stage's output to
     its end."""
     model = causal_lm("qwen2", layers=4)
-    export_llm(model, tmp_path / "seq", tmp_path / "c1", PRESET)
+    export_llm(model, tmp_path / "seq", tmp_path / "c1", PRESET, jobs=1)
     with monkeypatch.context() as keeping:
         keeping.setattr(scheduler._Run, "let_go", lambda run, name: None)
-        export_llm(model, tmp_path / "kept", tmp_path / "c2", PRESET)
+        export_llm(model, tmp_path / "kept", tmp_path / "c2", PRESET, jobs=1)
     seq = _digests(tmp_path / "seq")
     assert len(seq) == 6 + 1  # prompt and token graphs of three parts, the position processor
     assert seq == _digests(tmp_path / "kept")
@@ -143,7 +153,7 @@ def test_two_jobs_that_let_outputs_go_place_the_one_at_a_time_runs_files(tmp_pat
     """Parts built at once let their recordings and bound weights go as they settle too, and
     place the same bytes."""
     model = causal_lm("qwen2", layers=4)
-    export_llm(model, tmp_path / "seq", tmp_path / "c1", PRESET)
+    export_llm(model, tmp_path / "seq", tmp_path / "c1", PRESET, jobs=1)
     export_llm(model, tmp_path / "par", tmp_path / "c2", PRESET, jobs=2)
     seq = _digests(tmp_path / "seq")
     assert len(seq) == 6 + 1

@@ -40,7 +40,7 @@ def _files(root: Path) -> dict[str, bytes]:
 @pytest.mark.slow  # two cold exports of four parts: about 100 s on two cores
 def test_four_parts_with_two_jobs_give_the_sequential_files_lock_and_runs(tmp_path: Path) -> None:
     model = causal_lm("llama", layers=4)
-    seq = _export(model, tmp_path / "seq", tmp_path / "cache-seq")
+    seq = _export(model, tmp_path / "seq", tmp_path / "cache-seq", jobs=1)
     par = _export(model, tmp_path / "par", tmp_path / "cache-par", jobs=2)
 
     seq_files, par_files = _files(tmp_path / "seq"), _files(tmp_path / "par")

@@ -130,9 +130,9 @@ def export(
         typer.Option(
             "--jobs",
             "-j",
-            help="Stages built at once (an LLM's parts): a count or 'auto' (one per core; "
-            "default: [build] jobs, else 1). Formats that do not declare their stages safe to "
-            "run at once build one at a time.",
+            help="Stages built at once (an LLM's parts): a count (1: one at a time) or 'auto' "
+            "(one per core; default: [build] jobs, else auto, within [build] memory). Formats "
+            "that do not declare their stages safe to run at once build one at a time.",
             metavar="N",
         ),
     ] = None,
@@ -267,8 +267,8 @@ def _on_cluster(
 
 
 def _jobs(given: str | None, configured: int | None) -> int | None:
-    """``-j`` (a count or ``auto``: 0, one per core) over ``[build] jobs``; None: one at a
-    time."""
+    """``-j`` (a count or ``auto``: 0, one per core) over ``[build] jobs``; None: neither
+    says, what the machine allows (:func:`~graphbuild.engine.concurrent.build_resources`)."""
     if given is None:
         return configured
     if given == "auto":

@@ -46,8 +46,9 @@ _CACHE: dict[str, OptionType] = {
     "readonly": BOOL,
     "lease_seconds": _SECONDS,
 }
-# [build]: jobs (stages at once: a count, or "auto": one per core) and memory (the bytes the
-# running stages may declare at once: a count, "8GiB"-style, or "auto": most of what is free)
+# [build]: jobs (stages at once: a count, or "auto", the default: one per core) and memory
+# (the bytes the running stages may declare at once: a count, "8GiB"-style, or "auto": most of
+# what is free)
 _BUILD: dict[str, OptionType] = {
     "jobs": OptionType(
         'a positive integer or "auto"',

@@ -75,7 +75,7 @@ class Config:
     cache_url: str | None = None
     cache_readonly: bool = False
     cache_lease_seconds: float | None = None
-    #: ``[build]``: stages at once (None: unset, one at a time; 0: "auto", one per core) and
+    #: ``[build]``: stages at once (None: unset, and 0: "auto", one per core) and
     #: their memory budget in bytes (None: "auto")
     build_jobs: int | None = None
     build_memory: int | None = None

@@ -73,15 +73,15 @@ def default_memory() -> int | None:
 def build_resources(
     jobs: int | None, memory: int | None, parallel_safe: bool
 ) -> tuple[int, int | None]:
-    """The ``jobs`` and ``memory`` budget a build runs with: as asked (None: one at a time;
-    0: one per core; memory None: :func:`default_memory`) for a pipeline that declares its
+    """The ``jobs`` and ``memory`` budget a build runs with, for a pipeline that declares its
     stages safe to run at once (``Pipeline.parallel_safe``: each declared what it holds, and
-    those that must run alone say so); one at a time for any other. One at a time is the
-    default because threads do not pay on the llm format's CPU graphs (the stages that trace
-    must run alone and take most of the time: bench/README.md)."""
-    if not parallel_safe or jobs is None:
+    those that must run alone say so): ``jobs`` as asked (1: one at a time), else what the
+    machine allows (None, the default, or 0: :func:`default_jobs`); ``memory`` as asked, else
+    :func:`default_memory` once more than one stage may run. Any other pipeline runs one
+    stage at a time."""
+    if not parallel_safe:
         return 1, None
-    jobs = default_jobs() if jobs == 0 else max(1, jobs)
+    jobs = default_jobs() if not jobs else max(1, jobs)
     return jobs, (default_memory() if memory is None and jobs > 1 else memory)
 
 

@@ -139,8 +139,9 @@ class Pipeline:
         #: name (numerics, delegation summaries: what a user reads besides the files)
         self.reports: dict[str, str] = {}
         #: its stages may run at once (``jobs`` > 1): each declared what it holds and those
-        #: that must run alone said so (:meth:`declare_cost`); a build of any other pipeline
-        #: runs its stages one at a time whatever ``jobs`` it is given
+        #: that must run alone said so (:meth:`declare_cost`); an export of it given no
+        #: ``jobs`` runs one per core (:func:`~graphbuild.engine.concurrent.build_resources`),
+        #: of any other pipeline one at a time whatever ``jobs`` it is given
         self.parallel_safe = False
 
     # ----------------------------------------------------------------- building
