@@ -11,7 +11,7 @@ import torch
 from graphbuild.api import LOCK_FILE, ExportRequest, build_pipeline
 from graphbuild.engine.codecs import encode, roundtrip
 from graphbuild.engine.events import StageStatus
-from graphbuild.targets.qnn.llm.costs import context_bytes
+from graphbuild.targets.qnn.llm.costs import context_bytes, htp_check_bytes
 from graphbuild.targets.qnn.llm.stages import coverage_summary
 from tests.llm_models import PROMPT, causal_lm, export_llm
 
@@ -108,9 +108,10 @@ def test_a_budget_of_one_part_never_runs_two_parts_weights_at_once(tmp_path: Pat
     assert max(sum(1 for s, e, _ in spans if s <= t < e) for t, _, _ in spans) > 1  # not serial
 
 
-def _with_contexts(out: Path):
-    """The pipeline of a 4-part ``w8a16`` export with each part's v73 context."""
-    options = {**GEOMETRY, "contexts": True, "htp_arch": "v73", "quantizer": "w8a16"}
+def _with_contexts(out: Path, **extra):
+    """The pipeline of a 4-part ``w8a16`` export with each part's v73 context (``extra``: more
+    options)."""
+    options = {**GEOMETRY, "contexts": True, "htp_arch": "v73", "quantizer": "w8a16", **extra}
     data = (torch.tensor([PROMPT]),)
     request = ExportRequest(
         causal_lm("llama", layers=4), data, out, "lm", target="qnn", format="llm", options=options
@@ -135,3 +136,15 @@ def test_a_parts_contexts_are_prepared_before_the_next_part_is_built(tmp_path):
     order = _with_contexts(tmp_path).order()
     for i in range(1, 4):
         assert order.index(f"p{i}.context.v73") < order.index(f"p{i + 1}.prompt.bind")
+
+
+def test_the_htp_check_declares_what_it_holds_here_for_every_parts_graphs(tmp_path):
+    """--check-htp runs every part's graphs on onnxruntime's CPU, then compiles each on QNN's
+    HTP simulator (a context per graph), in this process, and generates with the model as the
+    reference: it declares several times the model's weights, and is not ``apart``."""
+    pipeline = _with_contexts(tmp_path, contexts=False, check_htp=True)
+    weights = sum(pipeline.cost(f"p{i}.prompt.bind").memory for i in range(1, 5))
+    cost = pipeline.cost("check_htp_v73")
+    assert cost.memory == htp_check_bytes(weights)
+    assert htp_check_bytes(weights) > 4 * weights
+    assert not cost.apart and not cost.exclusive

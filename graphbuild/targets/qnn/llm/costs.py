@@ -7,7 +7,8 @@ so a memory budget admits as many parts at once as fit. The stages that trace ru
 module (and the layers it shares with the causal LM) while it runs, so no other stage may read
 the model meanwhile; ``quantize`` and ``place_quantizers`` trace again, and ``to_onnx``'s
 decompositions register Python kernels process-wide (two at once fail: "Trying to override a
-python impl ... on operator aten::fft_ifft2").
+python impl ... on operator aten::fft_ifft2"). A part's HTP context preparation and the HTP
+check declare what they were measured to hold (below).
 """
 
 from __future__ import annotations
@@ -53,3 +54,27 @@ def declare_context_cost(p: Pipeline, name: str, weight_bytes: int) -> None:
     core: QNN's offline preparer, in a child process, computes on one thread; it reads the
     part's bound graphs, never the model, so it runs beside a part's tracing (``apart``)."""
     p.declare_cost(name, memory=context_bytes(weight_bytes), apart=True)
+
+
+#: What the llm HTP check (``check_htp_<label>``) holds in this process, per byte of the fp32
+#: weights of every part, and beside them: it runs every part's prompt and token graphs on
+#: onnxruntime's CPU, then compiles each graph on its own on QNN's HTP simulator (no weight
+#: sharing there) and generates on both, with the model itself as the float reference.
+#: Measured (the stage's resident-memory growth, Llama-shaped, 2 layers, 3 parts, w8a16,
+#: context 64): 246 MB for 16 MB of weights, 473 MB for 65 MB, 741 MB for 171 MB, the first
+#: loading QNN's libraries into the process.
+HTP_CHECK_BYTES_PER_WEIGHT_BYTE = 4.5
+HTP_CHECK_FIXED_BYTES = 256 * 2**20
+
+
+def htp_check_bytes(weight_bytes: int) -> int:
+    """Bytes the llm HTP check of a model whose parts' fp32 weights are ``weight_bytes`` in all
+    holds."""
+    return int(HTP_CHECK_BYTES_PER_WEIGHT_BYTE * weight_bytes) + HTP_CHECK_FIXED_BYTES
+
+
+def declare_htp_check_cost(p: Pipeline, name: str, weight_bytes: int) -> None:
+    """Declare what the llm HTP check holds (:func:`htp_check_bytes`). Its work is in this
+    process (onnxruntime and QNN's HTP backend load here, and it runs the model for its
+    reference), so it is not ``apart``: it runs beside no stage that must run alone."""
+    p.declare_cost(name, memory=htp_check_bytes(weight_bytes))

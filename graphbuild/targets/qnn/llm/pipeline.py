@@ -33,7 +33,12 @@ from graphbuild.targets.qnn.llm import bundle, htp_bundle, stages
 from graphbuild.targets.qnn.llm.adapters import find_causal_lm
 from graphbuild.targets.qnn.llm.bundle import CPU
 from graphbuild.targets.qnn.llm.check import check_generation, check_generation_htp
-from graphbuild.targets.qnn.llm.costs import declare_context_cost, declare_part_costs, part_bytes
+from graphbuild.targets.qnn.llm.costs import (
+    declare_context_cost,
+    declare_htp_check_cost,
+    declare_part_costs,
+    part_bytes,
+)
 from graphbuild.targets.qnn.llm.genai_config import CONFIG_NAME
 from graphbuild.targets.qnn.llm.include import include_part
 from graphbuild.targets.qnn.llm.parts import FLOAT
@@ -164,7 +169,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     coverage.depends_on(*coverages)
     p.reports["coverage"] = coverage.name
     if opts.check_htp:
-        _add_htp_checks(p, opts.htp_targets(), plan, graphs_of)
+        _add_htp_checks(p, opts.htp_targets(), plan, graphs_of, sum(held.values()))
     if targets:
         products += [*contexts, *_add_bundle_stages(p, targets, plan, rope)]
         files |= htp_bundle.bundle_files(
@@ -353,10 +358,15 @@ def _add_bundle_stages(
 
 
 def _add_htp_checks(
-    p: Pipeline, targets: Sequence[HtpTarget], plan: StageRef, graphs_of: dict[int, list[StageRef]]
+    p: Pipeline,
+    targets: Sequence[HtpTarget],
+    plan: StageRef,
+    graphs_of: dict[int, list[StageRef]],
+    weight_bytes: int,
 ) -> None:
-    """``check_htp_<label>`` per HTP target (:func:`.check.check_generation_htp`); the first
-    target's report is the export's ``htp`` report."""
+    """``check_htp_<label>`` per HTP target (:func:`.check.check_generation_htp`), each
+    declaring what it holds for the parts' ``weight_bytes`` in all; the first target's report
+    is the export's ``htp`` report."""
     from graphbuild.targets.qnn.pipeline.htp import HTP_BACKEND, QNN_HTP
 
     graphs = [g for index in sorted(graphs_of) for g in graphs_of[index]]
@@ -366,6 +376,7 @@ def _add_htp_checks(
             f"check_htp_{t.label}",
             reads=("input", "samples", HTP_BACKEND, QNN_HTP),
         ).depends_on(plan, *graphs)
+        declare_htp_check_cost(p, check.name, weight_bytes)
         if i == 0:
             p.reports["htp"] = check.name
 
