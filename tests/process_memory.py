@@ -2,7 +2,8 @@
 
 ``ru_maxrss`` is one process's high-water mark; an export that prepares HTP contexts in child
 processes holds memory in several at once. :class:`TreeRss` sums the RSS of a process and every
-process below it, every ``interval`` seconds, in a thread, and keeps the largest sum.
+process below it (that has started its own program), every ``interval`` seconds, in a thread,
+and keeps the largest sum.
 """
 
 from __future__ import annotations
@@ -15,18 +16,6 @@ from pathlib import Path
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it, as /proc lists them now (gone ones are skipped)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                todo += [int(c) for c in task.read_text().split()]
-    return found
-
-
 def rss(pid: int) -> int:
     """Resident bytes of one process; 0 once it is gone."""
     try:
@@ -35,9 +24,29 @@ def rss(pid: int) -> int:
         return 0
 
 
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+
+
 def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and its descendants now."""
-    return sum(rss(p) for p in descendants(pid))
+    """Resident bytes of ``pid`` and its descendants now. A child between fork and exec (its
+    command line still its parent's) counts nothing: its pages are its parent's, shared, and
+    /proc gives it its parent's whole resident size (a process of 1 GiB starting workers
+    would read as 2 GiB now and then)."""
+    total, todo = 0, [(pid, None)]
+    while todo:
+        p, parent_cmdline = todo.pop()
+        cmdline = _cmdline(p)
+        if p != pid and (cmdline is None or cmdline == parent_cmdline):
+            continue  # gone, or not exec'd yet (its children, if any, are forks too)
+        total += rss(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo += [(int(c), cmdline) for c in task.read_text().split()]
+    return total
 
 
 class TreeRss:
