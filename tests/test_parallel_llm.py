@@ -1,8 +1,12 @@
 """An LLM export's parts built at once (``jobs``): the files, lock and stage runs of a
-sequential export, byte for byte."""
+sequential export, byte for byte, within the memory budget its stages declare."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,7 @@ from graphbuild.engine.events import StageStatus
 from graphbuild.targets.qnn.llm.costs import context_bytes, htp_check_bytes
 from graphbuild.targets.qnn.llm.stages import coverage_summary
 from tests.llm_models import PROMPT, causal_lm, export_llm
+from tests.test_llm_htp import needs_htp
 
 pytest.importorskip("transformers", reason="builds transformers causal LMs (the dev extra)")
 
@@ -108,14 +113,17 @@ def test_a_budget_of_one_part_never_runs_two_parts_weights_at_once(tmp_path: Pat
     assert max(sum(1 for s, e, _ in spans if s <= t < e) for t, _, _ in spans) > 1  # not serial
 
 
-def _with_contexts(out: Path, **extra):
-    """The pipeline of a 4-part ``w8a16`` export with each part's v73 context (``extra``: more
-    options)."""
-    options = {**GEOMETRY, "contexts": True, "htp_arch": "v73", "quantizer": "w8a16", **extra}
+#: A 4-part ``w8a16`` export with each part's v73 context.
+CONTEXTS = {**GEOMETRY, "contexts": True, "htp_arch": "v73", "quantizer": "w8a16"}
+
+
+def _with_contexts(out: Path, model: dict | None = None, **extra):
+    """The pipeline of a :data:`CONTEXTS` export of ``causal_lm(**model)`` (default: Llama, 4
+    layers; ``extra``: more options)."""
+    options = {**CONTEXTS, **extra}
     data = (torch.tensor([PROMPT]),)
-    request = ExportRequest(
-        causal_lm("llama", layers=4), data, out, "lm", target="qnn", format="llm", options=options
-    )
+    lm = causal_lm(**(model or {"family": "llama", "layers": 4}))
+    request = ExportRequest(lm, data, out, "lm", target="qnn", format="llm", options=options)
     return build_pipeline(request)
 
 
@@ -148,3 +156,49 @@ def test_the_htp_check_declares_what_it_holds_here_for_every_parts_graphs(tmp_pa
     assert cost.memory == htp_check_bytes(weights)
     assert htp_check_bytes(weights) > 4 * weights
     assert not cost.apart and not cost.exclusive
+
+
+WORKER = Path(__file__).parent / "llm_budget_worker.py"
+#: Wide enough that a part's context preparation holds several times what this process adds
+#: (each child about 450 MiB: the part's 23 to 31 MiB of weights, onnxruntime and QNN)
+WIDE = {"family": "llama", "layers": 4, "hidden": 512, "intermediate": 2048, "vocab": 8192}
+
+
+def _prepare_contexts(tmp_path: Path, name: str, memory: int | None) -> dict:
+    """Four jobs prepare the :data:`CONTEXTS` export's four contexts, its part graphs in the
+    cache, in a process of its own (``tests/llm_budget_worker.py``): the resident bytes that
+    process and its children grew by at most (``growth``), and the most preparations that ran
+    at once (``at_once``)."""
+    args = [str(tmp_path / name), "4", str(memory or "none"), json.dumps(WIDE)]
+    done = subprocess.run(
+        [sys.executable, str(WORKER), *args, json.dumps(CONTEXTS)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    measured = json.loads(done.stdout.splitlines()[-1])
+    assert sorted(s for s in measured["ran"] if ".context." in s) == [
+        f"p{i}.context.v73" for i in range(1, 5)
+    ]  # the graphs were hits: every part's preparation was ready at once
+    return measured
+
+
+@needs_htp
+@pytest.mark.slow  # two processes each export four parts, then prepare their contexts: ~80 s
+def test_a_budget_of_one_context_bounds_the_measured_memory_of_four_preparations(tmp_path):
+    """Four parts' contexts, each prepared in a child process that holds hundreds of MiB: four
+    jobs prepare them at once; a budget of one preparation's declared bytes keeps the measured
+    peak of the process and its children within that budget (measured, load 2.5: 498 and 509
+    MiB against a bound of 716, 1042 MiB twice without the budget)."""
+    pipeline = _with_contexts(tmp_path / "plan", WIDE)
+    budget = max(pipeline.cost(f"p{i}.context.v73").memory for i in range(1, 5))
+    bound = budget + 64 * 2**20  # and a little of this process's own (a part's graphs)
+
+    bounded = _prepare_contexts(tmp_path, "bounded", budget)
+    unbounded = _prepare_contexts(tmp_path, "unbounded", None)
+
+    assert bounded["at_once"] == 1 and unbounded["at_once"] > 1
+    assert bounded["growth"] <= bound
+    assert unbounded["growth"] > bound  # the sampling sees the preparations that run at once
