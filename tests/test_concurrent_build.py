@@ -10,6 +10,7 @@ import time
 import weakref
 
 import pytest
+import torch
 
 from graphbuild.engine.artifact_store import Cache
 from graphbuild.engine.events import EventKind
@@ -257,8 +258,6 @@ RECORDINGS: list = []
 
 
 def _recording(inputs, samples, ctx):
-    import torch
-
     value = torch.arange(1 << 16, dtype=torch.float32) * ctx["seed"]
     RECORDINGS.append(weakref.ref(value))
     return value
@@ -272,18 +271,18 @@ def _reading(index):
     return read
 
 
-def _recording_pipeline() -> Pipeline:
-    """``record`` (rematerialized: large, its digest cached) -> ``r1``, ``r2`` (read it at
+def _recording_pipeline(rematerialize: bool) -> Pipeline:
+    """``record`` (large; ``rematerialize``: its digest cached) -> ``r1``, ``r2`` (read it at
     once) -> ``after`` (reads their outputs, not the recording)."""
     p = Pipeline(name="recording")
-    p.register_stage(_recording, "record", reads=("ctx.seed",), rematerialize=True)
+    p.register_stage(_recording, "record", reads=("ctx.seed",), rematerialize=rematerialize)
     for i in (1, 2):
         p.register_stage(_reading(i), f"r{i}", reads=()).depends_on("record")
     p.register_stage(_join, "after", reads=()).depends_on("r1", "r2")
     return p
 
 
-def _recording_alive_when_after_starts(cache, jobs):
+def _recording_alive_when_after_starts(cache, jobs, rematerialize=True):
     RECORDINGS.clear()
     alive: list[bool] = []
 
@@ -292,7 +291,7 @@ def _recording_alive_when_after_starts(cache, jobs):
             gc.collect()
             alive.extend(r() is not None for r in RECORDINGS)
 
-    result = _recording_pipeline().run(
+    result = _recording_pipeline(rematerialize).run(
         None, (), context={"seed": 3}, cache=cache, listeners=[listen], jobs=jobs
     )
     return alive, result
@@ -312,3 +311,16 @@ def test_two_jobs_let_go_of_a_rematerialized_output_no_stage_left_reads(tmp_path
         assert (a.name, a.status, a.key, a.digest) == (b.name, b.status, b.key, b.digest)
     assert par.outputs["after"] == seq.outputs["after"]
     assert bool((par.outputs["record"] == seq.outputs["record"]).all())
+
+
+def test_two_jobs_let_go_of_a_large_stored_output_no_stage_left_reads(tmp_path, monkeypatch):
+    """A stored output of at least ``release.LARGE_BYTES`` goes the same way, and is read back
+    from the cache after the run."""
+    monkeypatch.setattr("graphbuild.engine.release.LARGE_BYTES", 1 << 16)
+    alive, result = _recording_alive_when_after_starts(Cache(tmp_path / "c"), 2, False)
+
+    assert alive == [False]
+    assert _overlapping(result.report.timeline, {"r1", "r2"}) == 2
+    expected = torch.arange(1 << 16, dtype=torch.float32) * 3
+    assert torch.equal(result.outputs["record"], expected)
+    assert len(RECORDINGS) == 1  # read back, not recomputed
