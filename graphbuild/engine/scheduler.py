@@ -187,35 +187,10 @@ class _Run:
         self._execute(name, reason=reason, lease=lease)
 
     def let_go(self, name: str) -> None:
-        """Stage ``name`` settled: drop the rematerialized and the large stored outputs no
-        stage left in the run reads (:mod:`~graphbuild.engine.release`); the concurrent runner
-        calls it under its lock as each stage settles. A checked stage keeps its output."""
-        for done in self.readers.settled(name):
-            self._release(done)
-
-    def _release(self, name: str) -> None:
-        st = self.states[name]
-        settled = st.record.status in (StageStatus.RAN, StageStatus.HIT, StageStatus.CUTOFF)
-        if not (st.has_value and settled and st.record.digest is not None):
-            return
-        if name in self.check:
-            return  # a checked hit keeps the value its check recomputed
-        if self.pipeline._stage(name).rematerialize:
-            self.tokens.forget([st.value])  # the input guard holds what it took tokens of
-            st.value, st.has_value, st.released = None, False, True
-        elif self._large_and_stored(name):
-            self.tokens.forget([st.value])
-            st.value, st.has_value, st.spilled = None, False, True
-
-    def _large_and_stored(self, name: str) -> bool:
-        """Stage ``name``'s output is at least :data:`~.release.LARGE_BYTES` and the cache
-        holds it whole (or will, once the writer gets to it)."""
-        st = self.states[name]
-        if self.cache is None or st.record.key is None:
-            return False
-        if (st.record.bytes or 0) < release.LARGE_BYTES:
-            return False
-        return st.stored or (st.manifest is not None and bytes_stored(st.manifest["artifact"]))
+        """Stage ``name`` settled: drop the outputs no stage left in the run reads
+        (:func:`.release.let_go`); the concurrent runner calls it under its lock as each
+        stage settles."""
+        release.let_go(self, name)
 
     def finish_writes(self) -> None:
         """Wait for the cache writes of this run, then keep the cache within its size."""
@@ -385,7 +360,7 @@ class _Run:
         if st.released:  # recomputed for this read, let go again afterwards
             return self._rematerialize(name, keep=False)
         if st.spilled:  # read back for this read, let go again afterwards
-            return self._read_back(name)
+            return release.read_back(self, name)
         if st.manifest is None:
             raise GraphbuildError(f"stage '{name}' has no output (status {st.record.status})")
         if not bytes_stored(st.manifest["artifact"]):
@@ -402,31 +377,6 @@ class _Run:
             return st.value
         st.value, st.has_value = value, True
         self.emit(StageEvent(EventKind.LOADED, name, st.record.key, time.perf_counter() - t0))
-        return value
-
-    def _read_back(self, name: str) -> Any:
-        """A large stored output the run let go, loaded from the cache for one read, once the
-        cache writer has stored it; not kept. An entry the cache no longer gives (its write
-        failed, it was evicted or damaged, it is another output) is rebuilt."""
-        st = self.states[name]
-        rec = st.record
-        t0 = time.perf_counter()
-        try:
-            with self.unlocked():
-                if self.writer is not None:
-                    self.writer.wait()
-                manifest = self.cache.lookup(rec.key, count=False)  # type: ignore[union-attr]
-                if manifest is None or manifest["artifact"].get("digest") != rec.digest:
-                    raise CorruptEntry(f"{name}: the cache holds no entry of this output")
-                value = self.cache.load(manifest)  # type: ignore[union-attr]
-        except CorruptEntry as err:
-            st.spilled = st.stored = False
-            self._execute(name, reason=f"let go during the run, then {err}; rebuilt")
-            if rec.status == StageStatus.FAILED:
-                raise self.failure from err  # type: ignore[misc]
-            return st.value
-        why = "read back from the cache: a large output, let go once no stage read it"
-        self.emit(StageEvent(EventKind.LOADED, name, rec.key, time.perf_counter() - t0, why))
         return value
 
     def _rematerialize(self, name: str, keep: bool = True) -> Any:
