@@ -215,3 +215,27 @@ def test_a_declared_codec_is_registered_when_first_needed_and_keeps_its_version(
     assert out["loaded"] is True and out["same_model"] is True
     assert out["version_before"] == out["version_after"] != "unknown"
     assert out.get("codec", "onnx") == "onnx"
+
+
+def test_a_blob_an_artifact_names_twice_is_read_once_and_shared():
+    """An LLM part's context binary is placed in two folders: loading that output reads the
+    binary's blob once, not once per file (which held two copies of it at once)."""
+    from graphbuild.engine.codecs import decode
+
+    data = bytes(range(256)) * 64
+    value = {
+        "htp/part.bin": FileArtifact("part.bin", data),
+        "genie/part.bin": FileArtifact("part.bin", data),
+    }
+    encoded = encode(value)
+    blobs = {p.digest: bytes(p.data) for p in encoded.all_parts()}
+    reads: list[str] = []
+
+    def read(digest: str, size: int) -> bytes:
+        reads.append(digest)
+        return blobs[digest]
+
+    loaded = decode(encoded.describe(), read)
+    assert loaded["htp/part.bin"].data is loaded["genie/part.bin"].data
+    assert loaded["htp/part.bin"].data == data
+    assert len(reads) == len(set(reads))

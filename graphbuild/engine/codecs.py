@@ -214,7 +214,19 @@ def codec_modules() -> list[tuple[str, str, Codec | None]]:
 
 def decode(description: dict[str, Any], read_part: Callable[[str, int], bytes]) -> Any:
     """Rebuild a value from its manifest description, reading each blob through
-    ``read_part`` (which verifies the digest)."""
+    ``read_part`` (which verifies the digest). A blob the description names more than once
+    (one file placed in two folders) is read once, and its parts share the bytes."""
+    read: dict[str, bytes] = {}
+
+    def once(digest: str, size: int) -> bytes:
+        if digest not in read:
+            read[digest] = read_part(digest, size)
+        return read[digest]
+
+    return _decode(description, once)
+
+
+def _decode(description: dict[str, Any], read_part: Callable[[str, int], bytes]) -> Any:
     codec = _BY_NAME.get(description["codec"])
     if codec is None and description["codec"] in _DECLARED:
         _load_declared(description["codec"])
@@ -226,7 +238,7 @@ def decode(description: dict[str, Any], read_part: Callable[[str, int], bytes]) 
             "(graphbuild.engine.codecs.register_codec or declare_codecs) before loading it"
         )
     parts = [read_part(d, s) for d, s in description["parts"]]
-    children = [decode(c, read_part) for c in description["children"]]
+    children = [_decode(c, read_part) for c in description["children"]]
     return codec.decode(description["meta"], parts, children)
 
 
