@@ -49,6 +49,19 @@ class LiveAt:
         ]
 
 
+def _export_one_stage_at_a_time(tmp_path: Path, live: LiveAt) -> None:
+    """The preset export of a 4-layer Qwen2 watched by ``live``, one stage at a time: what is
+    alive when each part starts is then fixed."""
+    export_llm(
+        causal_lm("qwen2", layers=4),
+        tmp_path / "out",
+        tmp_path / "c",
+        PRESET,
+        listeners=[live],
+        jobs=1,
+    )
+
+
 def test_a_parts_calibration_recording_is_let_go_before_the_next_part_is_traced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -61,14 +74,7 @@ def test_a_parts_calibration_recording_is_let_go_before_the_next_part_is_traced(
         return batches
 
     monkeypatch.setattr(stages, "part_batches", tracked)
-    export_llm(  # one stage at a time: what is alive when each part starts is then fixed
-        causal_lm("qwen2", layers=4),
-        tmp_path / "out",
-        tmp_path / "c",
-        PRESET,
-        listeners=[live],
-        jobs=1,
-    )
+    _export_one_stage_at_a_time(tmp_path, live)
     assert sorted(live.refs) == [1, 2, 3]
     # part 1 is traced after the recording was sliced; each part's share then goes with it
     assert live.alive == {
@@ -98,14 +104,7 @@ def test_a_parts_bound_weights_are_let_go_before_the_part_after_next_is_bound(
         return graphs
 
     monkeypatch.setattr(stages, "kv_graph", tracked)
-    export_llm(  # one stage at a time: what is alive when each part starts is then fixed
-        causal_lm("qwen2", layers=4),
-        tmp_path / "out",
-        tmp_path / "c",
-        PRESET,
-        listeners=[live],
-        jobs=1,
-    )
+    _export_one_stage_at_a_time(tmp_path, live)
     assert sorted(live.refs) == [1, 2, 3]  # every part bound computed weights
     assert live.alive["p3.prompt.bind"] == [2]
 
