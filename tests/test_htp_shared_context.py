@@ -147,6 +147,40 @@ def test_a_binary_with_two_copies_of_large_shared_weights_is_an_error():
     shared_weights._check_sharing(_sizes(3 * mib, mib, mib), "part")
 
 
+def _external_weight_model(path: Path, name: str, data: np.ndarray) -> Path:
+    """A model whose one initializer, ``name``, lies in a data file beside it."""
+    init = numpy_helper.from_array(data, name)
+    node = helper.make_node("Identity", [name], ["y"])
+    y = helper.make_tensor_value_info("y", TensorProto.INT8, list(data.shape))
+    model = helper.make_model(helper.make_graph([node], "g", [], [y], [init]))
+    onnx.save(model, path, save_as_external_data=True, location=f"{path.name}.data")
+    return path
+
+
+def test_weight_sharing_reads_large_weights_a_chunk_at_a_time(tmp_path):
+    """The check hashes each graph's weights by content; an LLM part's embedding is hundreds of
+    MiB, so a whole tensor read at once would add that to the export's peak memory."""
+    import tracemalloc
+
+    size = 48 << 20
+    data = np.random.default_rng(0).integers(-128, 127, size, dtype=np.int8)
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+    sources = [
+        _external_weight_model(tmp_path / "a" / "a.onnx", "w", data),
+        _external_weight_model(tmp_path / "b" / "b.onnx", "other_name", data),
+    ]
+    del data
+    tracemalloc.start()
+    try:
+        sharing = shared_weights._weight_sharing(sources, binary_bytes=size)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (sharing.shared_bytes, sharing.union_bytes) == (size, size)
+    assert peak < size // 4
+
+
 # --------------------------------------------------------------------------- on the HTP
 
 

@@ -26,6 +26,7 @@ WEIGHT_SHARING_FROM_ARCH = "73"
 #: Below this many shared weight bytes the binary's own overhead can match them, and the size
 #: says nothing about whether the weights were shared.
 _SIZE_CHECK_MIN_BYTES = 64 << 20
+_CHUNK = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -76,17 +77,34 @@ def _tensor_digests(model: Path) -> dict[str, int]:
         h = hashlib.sha256(f"{t.data_type}:{list(t.dims)}:".encode())
         if t.data_location == onnx.TensorProto.EXTERNAL:
             ext = {e.key: e.value for e in t.external_data}
-            size = int(ext.get("length", "-1"))
-            with open(model.parent / ext["location"], "rb") as f:
-                f.seek(int(ext.get("offset", "0")))
-                data = f.read() if size < 0 else f.read(size)
-        elif t.raw_data:
-            data = t.raw_data
+            length = _hash_range(
+                h,
+                model.parent / ext["location"],
+                int(ext.get("offset", "0")),
+                int(ext.get("length", "-1")),
+            )
         else:
-            data = onnx.numpy_helper.to_array(t).tobytes()
-        h.update(data)
-        digests[h.hexdigest()] = len(data)
+            data = t.raw_data or onnx.numpy_helper.to_array(t).tobytes()
+            h.update(data)
+            length = len(data)
+        digests[h.hexdigest()] = length
     return digests
+
+
+def _hash_range(h: Any, path: Path, offset: int, length: int) -> int:
+    """Feed ``length`` bytes of ``path`` from ``offset`` (to its end if negative) to ``h`` a
+    chunk at a time: an LLM part's embedding is hundreds of MiB, read whole it would add that
+    much to the export's peak memory. Returns the bytes hashed."""
+    done = 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while length < 0 or done < length:
+            chunk = f.read(_CHUNK if length < 0 else min(_CHUNK, length - done))
+            if not chunk:
+                break
+            h.update(chunk)
+            done += len(chunk)
+    return done
 
 
 def _weight_sharing(sources: Sequence[Path], binary_bytes: int) -> WeightSharing:
