@@ -101,11 +101,13 @@ class InputToken:
 class Tokens:
     """Tokens of the values stages were handed in one run, as the last check left them.
 
-    Stages run one at a time, so a value the previous stage handed back unchanged (its
-    token taken after that stage, and equal to the one before) still has that token when the
-    next stage is handed it: its "before" token is reused, and each stage pays one snapshot
-    per input (the check after it) instead of two. The values are held, so an id is not
-    reused while its token is kept."""
+    A value a stage handed back unchanged (its token taken after that stage, and equal to the
+    one before) still has that token when a later stage is handed it: its "before" token is
+    reused, and each stage pays one snapshot per input (the check after it) instead of two.
+    The values are held, so an id is not reused while its token is kept. Under ``jobs > 1``
+    stages that share an input may run at once: a stage that changes it is still caught, but
+    the others that held it then see the change too, and whichever of them finishes first is
+    the one named."""
 
     def __init__(self) -> None:
         self._known: dict[int, tuple[Any, Any]] = {}
