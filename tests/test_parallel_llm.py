@@ -15,7 +15,11 @@ import torch
 from graphbuild.api import LOCK_FILE, ExportRequest, build_pipeline
 from graphbuild.engine.codecs import encode, roundtrip
 from graphbuild.engine.events import StageStatus
-from graphbuild.targets.qnn.llm.costs import context_bytes, htp_check_bytes
+from graphbuild.targets.qnn.llm.costs import (
+    context_bytes,
+    generation_check_bytes,
+    htp_check_bytes,
+)
 from graphbuild.targets.qnn.llm.stages import coverage_summary
 from tests.llm_models import PROMPT, causal_lm, export_llm
 from tests.test_llm_htp import needs_htp
@@ -155,6 +159,19 @@ def test_the_htp_check_declares_what_it_holds_here_for_every_parts_graphs(tmp_pa
     cost = pipeline.cost("check_htp_v73")
     assert cost.memory == htp_check_bytes(weights)
     assert htp_check_bytes(weights) > 4 * weights
+    assert not cost.apart and not cost.exclusive
+
+
+def test_the_generation_check_declares_what_its_genai_process_holds(tmp_path):
+    """check_numerics generates with onnxruntime-genai in a child process holding the whole CPU
+    bundle, about three times the model's fp32 weights for a w8a16 one (measured), beside the
+    model generating here: a budget counts that, so it does not start beside a part's context
+    preparation it would not fit with."""
+    pipeline = _with_contexts(tmp_path, contexts=False, check_numerics=True)
+    weights = sum(pipeline.cost(f"p{i}.prompt.bind").memory for i in range(1, 5))
+    cost = pipeline.cost("check_generation")
+    assert cost.memory == generation_check_bytes(weights)
+    assert generation_check_bytes(weights) > 3 * weights
     assert not cost.apart and not cost.exclusive
 
 

@@ -7,8 +7,8 @@ so a memory budget admits as many parts at once as fit. The stages that trace ru
 module (and the layers it shares with the causal LM) while it runs, so no other stage may read
 the model meanwhile; ``quantize`` and ``place_quantizers`` trace again, and ``to_onnx``'s
 decompositions register Python kernels process-wide (two at once fail: "Trying to override a
-python impl ... on operator aten::fft_ifft2"). A part's HTP context preparation and the HTP
-check declare what they were measured to hold (below).
+python impl ... on operator aten::fft_ifft2"). A part's HTP context preparation, the HTP
+check and the generation check declare what they were measured to hold (below).
 """
 
 from __future__ import annotations
@@ -78,3 +78,25 @@ def declare_htp_check_cost(p: Pipeline, name: str, weight_bytes: int) -> None:
     process (onnxruntime and QNN's HTP backend load here, and it runs the model for its
     reference), so it is not ``apart``: it runs beside no stage that must run alone."""
     p.declare_cost(name, memory=htp_check_bytes(weight_bytes))
+
+
+#: What the generation check (``check_generation``) holds, per byte of the fp32 weights of every
+#: part, and beside them: onnxruntime-genai runs the CPU bundle in a child process (onnxruntime
+#: keeps a float copy of each quantized weight it folds), and the model generates here as the
+#: reference. Measured (the process tree's growth, Llama-shaped, 2 parts, context 64): float
+#: bundles 984, 1095 and 1446 MiB for 99, 336 and 634 MiB of weights; w8a16 1015, 1628 and
+#: 2465 MiB.
+GENERATION_CHECK_BYTES_PER_WEIGHT_BYTE = 3.0
+GENERATION_CHECK_FIXED_BYTES = 768 * 2**20
+
+
+def generation_check_bytes(weight_bytes: int) -> int:
+    """Bytes the generation check of a model whose parts' fp32 weights are ``weight_bytes`` in
+    all holds, its onnxruntime-genai process included."""
+    return int(GENERATION_CHECK_BYTES_PER_WEIGHT_BYTE * weight_bytes) + GENERATION_CHECK_FIXED_BYTES
+
+
+def declare_generation_check_cost(p: Pipeline, name: str, weight_bytes: int) -> None:
+    """Declare what the generation check holds (:func:`generation_check_bytes`). It runs the
+    model in this process, so it is not ``apart``."""
+    p.declare_cost(name, memory=generation_check_bytes(weight_bytes))

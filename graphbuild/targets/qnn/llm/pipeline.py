@@ -35,6 +35,7 @@ from graphbuild.targets.qnn.llm.bundle import CPU
 from graphbuild.targets.qnn.llm.check import check_generation, check_generation_htp
 from graphbuild.targets.qnn.llm.costs import (
     declare_context_cost,
+    declare_generation_check_cost,
     declare_htp_check_cost,
     declare_part_costs,
     part_bytes,
@@ -162,6 +163,7 @@ def build_llm_pipeline(request: Request) -> Pipeline:
     if rope is not None and opts.check_numerics:
         check = p.register_stage(check_generation, "check_generation", reads=("input", "samples"))
         check.depends_on(plan, cpu, *checked)
+        declare_generation_check_cost(p, check.name, sum(held.values()))
         p.reports["numerics"] = check.name
     coverage = p.register_stage(
         functools.partial(stages.coverage_summary, tuple(graph_names)), "coverage", reads=()
