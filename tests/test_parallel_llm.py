@@ -150,28 +150,27 @@ def test_a_parts_contexts_are_prepared_before_the_next_part_is_built(tmp_path):
         assert order.index(f"p{i}.context.v73") < order.index(f"p{i + 1}.prompt.bind")
 
 
-def test_the_htp_check_declares_what_it_holds_here_for_every_parts_graphs(tmp_path):
+@pytest.mark.parametrize(
+    ("option", "stage", "declared", "times"),
+    [
+        ("check_htp", "check_htp_v73", htp_check_bytes, 4),
+        ("check_numerics", "check_generation", generation_check_bytes, 3),
+    ],
+)
+def test_a_check_declares_what_it_holds_for_every_parts_graphs(
+    tmp_path, option, stage, declared, times
+):
     """--check-htp runs every part's graphs on onnxruntime's CPU, then compiles each on QNN's
-    HTP simulator (a context per graph), in this process, and generates with the model as the
-    reference: it declares several times the model's weights, and is not ``apart``."""
-    pipeline = _with_contexts(tmp_path, contexts=False, check_htp=True)
+    HTP simulator (a context per graph), in this process; check_numerics runs the whole CPU
+    bundle with onnxruntime-genai in a child process. Both generate with the model here as the
+    reference, so each declares several times the model's weights (measured), and is not
+    ``apart``: a budget does not start it beside a part's context preparation it would not
+    fit with."""
+    pipeline = _with_contexts(tmp_path, contexts=False, **{option: True})
     weights = sum(pipeline.cost(f"p{i}.prompt.bind").memory for i in range(1, 5))
-    cost = pipeline.cost("check_htp_v73")
-    assert cost.memory == htp_check_bytes(weights)
-    assert htp_check_bytes(weights) > 4 * weights
-    assert not cost.apart and not cost.exclusive
-
-
-def test_the_generation_check_declares_what_its_genai_process_holds(tmp_path):
-    """check_numerics generates with onnxruntime-genai in a child process holding the whole CPU
-    bundle, about three times the model's fp32 weights for a w8a16 one (measured), beside the
-    model generating here: a budget counts that, so it does not start beside a part's context
-    preparation it would not fit with."""
-    pipeline = _with_contexts(tmp_path, contexts=False, check_numerics=True)
-    weights = sum(pipeline.cost(f"p{i}.prompt.bind").memory for i in range(1, 5))
-    cost = pipeline.cost("check_generation")
-    assert cost.memory == generation_check_bytes(weights)
-    assert generation_check_bytes(weights) > 3 * weights
+    cost = pipeline.cost(stage)
+    assert cost.memory == declared(weights)
+    assert declared(weights) > times * weights
     assert not cost.apart and not cost.exclusive
 
 
