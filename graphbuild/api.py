@@ -219,6 +219,17 @@ def export_with_pipeline(
     if pipeline is None:
         pipeline = build_pipeline(request)
     cache = resolve_cache(request.cache)
+    try:
+        return _run_and_place(request, pipeline, cache)
+    finally:
+        if cache is not None and cache is not request.cache:
+            cache.close()  # the export's own, opened from a path or URL: not left to the GC
+
+
+def _run_and_place(
+    request: ExportRequest, pipeline: Pipeline, cache: Cache | None
+) -> ExportArtifacts:
+    """Run ``pipeline`` on ``cache`` and place the products (:func:`export_with_pipeline`)."""
     listeners = list(request.listeners)
     if request.verbose:
         listeners.append(_print_event)
@@ -337,14 +348,19 @@ def status(request: ExportRequest) -> RunReport:
     """What an export would run and why, without running anything."""
     request.check()
     pipeline = build_pipeline(request)
-    return plan(
-        pipeline,
-        request.model,
-        request.data,
-        context=request.context(),
-        cache=resolve_cache(request.cache),
-        run_id=request.run_id(),
-    )
+    cache = resolve_cache(request.cache)
+    try:
+        return plan(
+            pipeline,
+            request.model,
+            request.data,
+            context=request.context(),
+            cache=cache,
+            run_id=request.run_id(),
+        )
+    finally:
+        if cache is not None and cache is not request.cache:
+            cache.close()
 
 
 def _kind(value: Any) -> str:

@@ -359,6 +359,57 @@ def test_a_damaged_index_is_reported_quarantined_and_rebuilt(tmp_path, warm, dam
     assert CALLS == []
 
 
+def _open_under(directory: Path) -> list[str]:
+    """The files under ``directory`` this process holds open (Linux's /proc/self/fd)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the directory's own descriptor, closed as it was listed
+        if target.startswith(str(directory) + os.sep):
+            held.append(target)
+    return held
+
+
+def _safe_note_pipeline(request) -> Pipeline:
+    p = note_pipeline(request)
+    p.parallel_safe = True
+    return p
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux's /proc/self/fd")
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_an_export_closes_the_cache_it_opened_from_a_path(tmp_path, jobs):
+    """A cache named by its directory is the export's own, and the index's SQLite connections
+    are one per thread (this one, the cache writer's, each stage thread's): left open, they
+    stayed open until the garbage collector found them, and the same process opening that
+    index again (a repair, a second export) met the first connections' locks."""
+    cache_dir = tmp_path / "cache"
+    factory = _safe_note_pipeline if jobs > 1 else note_pipeline
+    gb.export(
+        model(),
+        (),
+        tmp_path / "out",
+        "net",
+        target="note",
+        format="file",
+        pipeline_factory=factory,
+        cache=cache_dir,
+        jobs=jobs,
+    )
+    assert _open_under(cache_dir) == []
+
+
+def test_an_export_leaves_a_cache_it_was_given_open(tmp_path):
+    cache = Cache(tmp_path / "cache")
+    export(tmp_path / "out", cache)
+    reset()
+    export(tmp_path / "again", cache)
+    assert CALLS == []  # the same Cache object, still open, serves hits
+    cache.close()
+
+
 # --------------------------------------------------------------------------- permissions
 
 

@@ -196,3 +196,15 @@ class Stores:
         if self.index is not None:
             self.index.close()
         self.blobs.close()
+
+    def release_thread(self) -> None:
+        """Close what the calling thread alone holds open (an index's per-thread
+        connection): a worker thread calls it before it ends."""
+        release_thread(self.index)
+
+
+def release_thread(index: ActionIndex | None) -> None:
+    """``index.release_thread()`` where the index keeps something per thread."""
+    release = getattr(index, "release_thread", None)
+    if release is not None:
+        release()

@@ -568,6 +568,11 @@ class ByteCache:
     def close(self) -> None:
         self.stores.close()
 
+    def release_thread(self) -> None:
+        """Close what the calling thread holds open of the stores (see
+        :meth:`Stores.release_thread`); the cache stays usable, from any thread."""
+        self.stores.release_thread()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r})"
 

@@ -22,7 +22,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from graphbuild.cache.base import ActionIndex, BlobStore, CorruptBlob, StoreReadOnly, Stores
+from graphbuild.cache.base import (
+    ActionIndex,
+    BlobStore,
+    CorruptBlob,
+    StoreReadOnly,
+    Stores,
+    release_thread,
+)
 from graphbuild.cache.manifest import InvalidManifest, blob_refs, check_manifest
 from graphbuild.errors import CacheError
 
@@ -173,6 +180,10 @@ class LayeredIndex:
     def close(self) -> None:
         self.local.close()
         self.remote.close()
+
+    def release_thread(self) -> None:
+        release_thread(self.local)
+        release_thread(self.remote)
 
 
 class LayeredBlobs:

@@ -184,7 +184,7 @@ def run_concurrently(run: Any, jobs: int, memory: int | None) -> Admission:
                 names.remove(name)
                 admission.take(costs[name])
                 task = contextvars.copy_context().run  # check mode is a context variable
-                running[pool.submit(task, settle, name)] = name
+                running[pool.submit(task, _settle_and_release, run, settle, name)] = name
             if not running:
                 break
             done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -273,3 +273,14 @@ def _grad_enabled(mode: bool | None) -> contextlib.AbstractContextManager[Any]:
     import torch
 
     return torch.set_grad_enabled(mode)
+
+
+def _settle_and_release(run: Any, settle: Callable[[str], None], name: str) -> None:
+    """``settle(name)`` in a pool thread, then close the cache connection the thread opened:
+    the pool's threads end with the run, and a connection left to them would stay open until
+    the garbage collector found it."""
+    try:
+        settle(name)
+    finally:
+        if run.cache is not None:
+            run.cache.release_thread()

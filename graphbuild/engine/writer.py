@@ -58,6 +58,12 @@ class CacheWriter:
             self._done.wait_for(lambda: self._stored >= target)
 
     def _work(self) -> None:
+        try:
+            self._store_each()
+        finally:
+            self.cache.release_thread()  # this thread's index connection ends with it
+
+    def _store_each(self) -> None:
         while (item := self._queue.get()) is not None:
             key, encoded, record, after, keep_bytes = item
             try:

@@ -313,6 +313,12 @@ class DiskIndex:
     def close(self) -> None:
         self._db.close()
 
+    def release_thread(self) -> None:
+        """Close the calling thread's connection: diskcache opens one per thread, and
+        :meth:`close` closes the caller's alone. A thread that ends without this leaves its
+        connection open until the garbage collector breaks its reference cycle."""
+        self._db.close()
+
 
 class ReadOnlyDiskIndex:
     """The same rows, read with SQLite's read-only mode from a cache this process cannot
