@@ -81,9 +81,9 @@ def declare_htp_check_cost(p: Pipeline, name: str, weight_bytes: int) -> None:
 
 
 #: What the generation check (``check_generation``) holds, per byte of the fp32 weights of every
-#: part, and beside them: onnxruntime-genai runs the CPU bundle in a child process (onnxruntime
-#: keeps a float copy of each quantized weight it folds), and the model generates here as the
-#: reference. Measured (the process tree's growth, Llama-shaped, 2 parts, context 64): float
+#: part, and beside them: onnxruntime-genai runs the CPU bundle in a child process (a w8a16
+#: bundle's grows faster with the weights than a float one's), and the model generates here as
+#: the reference. Measured (the process tree's growth, Llama-shaped, 2 parts, context 64): float
 #: bundles 984, 1095 and 1446 MiB for 99, 336 and 634 MiB of weights; w8a16 1015, 1628 and
 #: 2465 MiB.
 GENERATION_CHECK_BYTES_PER_WEIGHT_BYTE = 3.0
