@@ -756,12 +756,13 @@ def model_edits(tmp_path_factory) -> SimpleNamespace:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("edit", list(EDITS))
-def test_a_comment_edit_reruns_capture_only_and_cuts_off_the_rest(model_edits, edit):
+def test_a_comment_edit_reruns_nothing(model_edits, edit):
+    """The model's code counts by its syntax tree, so a comment, even one that shifts every
+    line, is not a change: every stage hits."""
     doc = model_edits.runs[edit]
-    assert ran(doc) == ["capture"], [(s["name"], s["status"], s["reason"]) for s in doc["stages"]]
-    assert doc["stages"][0]["reason"].startswith("input.structure:")
-    assert statuses(doc)["place_quantizers"] == "cutoff"
-    assert set(statuses(doc).values()) <= {"ran", "cutoff", "hit"}
+    assert set(statuses(doc).values()) == {"hit"}, [
+        (s["name"], s["status"], s["reason"]) for s in doc["stages"]
+    ]
 
 
 @pytest.mark.slow
@@ -775,8 +776,13 @@ def test_a_comment_edit_leaves_the_exported_model_and_encodings_identical(model_
 
 @pytest.mark.slow
 def test_a_code_edit_reruns_from_capture_on_and_changes_the_outputs(model_edits):
+    """Every stage reruns from the capture on; one whose inputs changed but whose output did
+    not (the quantizer map: 8 or 6 channels, the same quantizers) cuts off what only it
+    feeds."""
     doc = model_edits.runs["code"]
-    assert set(statuses(doc).values()) == {"ran"}
+    state = statuses(doc)
+    assert set(state.values()) <= {"ran", "cutoff"}
+    assert all(state[name] == "ran" for name in ("capture", "to_onnx", "bind", "encodings"))
     capture = doc["stages"][0]
     assert capture["name"] == "capture" and capture["reason"].startswith("input.structure:")
     before, after = model_edits.root / "before", model_edits.root / "code"
