@@ -17,7 +17,7 @@ from graphbuild.targets.qnn.htp_runtime.shared_context import (
     _check_names,
     _external_files,
 )
-from graphbuild.targets.qnn.htp_runtime.shared_weights import require_weight_sharing
+from graphbuild.targets.qnn.htp_runtime.shared_weights import hash_file, require_weight_sharing
 
 __all__ = ["shared_context_key"]
 
@@ -51,14 +51,8 @@ def _model_digest(model: ModelSource) -> str:
         h.update(model)
         return h.hexdigest()
     path = Path(model)
-    _update_file(h, path)
+    hash_file(h, path)
     for name in _external_files(path):
         h.update(f"\0{name}\0".encode())
-        _update_file(h, path.parent / name)
+        hash_file(h, path.parent / name)
     return h.hexdigest()
-
-
-def _update_file(h: Any, path: Path) -> None:
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)

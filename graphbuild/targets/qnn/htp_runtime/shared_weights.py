@@ -19,7 +19,7 @@ import onnx
 from graphbuild.errors import ConfigError, ExportError
 from graphbuild.targets.qnn.htp_runtime.backend import HtpTarget
 
-__all__ = ["WEIGHT_SHARING_FROM_ARCH", "WeightSharing", "require_weight_sharing"]
+__all__ = ["WEIGHT_SHARING_FROM_ARCH", "WeightSharing", "hash_file", "require_weight_sharing"]
 
 #: The first HTP architecture whose contexts share weights between graphs.
 WEIGHT_SHARING_FROM_ARCH = "73"
@@ -77,7 +77,7 @@ def _tensor_digests(model: Path) -> dict[str, int]:
         h = hashlib.sha256(f"{t.data_type}:{list(t.dims)}:".encode())
         if t.data_location == onnx.TensorProto.EXTERNAL:
             ext = {e.key: e.value for e in t.external_data}
-            length = _hash_range(
+            length = hash_file(
                 h,
                 model.parent / ext["location"],
                 int(ext.get("offset", "0")),
@@ -91,10 +91,10 @@ def _tensor_digests(model: Path) -> dict[str, int]:
     return digests
 
 
-def _hash_range(h: Any, path: Path, offset: int, length: int) -> int:
-    """Feed ``length`` bytes of ``path`` from ``offset`` (to its end if negative) to ``h`` a
-    chunk at a time: an LLM part's embedding is hundreds of MiB, read whole it would add that
-    much to the export's peak memory. Returns the bytes hashed."""
+def hash_file(h: Any, path: Path, offset: int = 0, length: int = -1) -> int:
+    """Feed ``length`` bytes of ``path`` from ``offset`` (to its end if negative) to the
+    hashlib object ``h`` a chunk at a time: an LLM part's weights are hundreds of MiB, read
+    whole they would add that much to the export's peak memory. Returns the bytes hashed."""
     done = 0
     with open(path, "rb") as f:
         f.seek(offset)
