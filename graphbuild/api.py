@@ -8,9 +8,10 @@ was.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,12 +219,21 @@ def export_with_pipeline(
     check_output_directory(Path(request.output_directory), request.model_name)
     if pipeline is None:
         pipeline = build_pipeline(request)
+    with _request_cache(request) as cache:
+        return _run_and_place(request, pipeline, cache)
+
+
+@contextlib.contextmanager
+def _request_cache(request: ExportRequest) -> Iterator[Cache | None]:
+    """The request's cache (:func:`resolve_cache`), closed on the way out when it was opened
+    here from a path or URL (its index connections are not left to the garbage collector); a
+    ``gb.Cache`` the caller passed stays open."""
     cache = resolve_cache(request.cache)
     try:
-        return _run_and_place(request, pipeline, cache)
+        yield cache
     finally:
         if cache is not None and cache is not request.cache:
-            cache.close()  # the export's own, opened from a path or URL: not left to the GC
+            cache.close()
 
 
 def _run_and_place(
@@ -348,8 +358,7 @@ def status(request: ExportRequest) -> RunReport:
     """What an export would run and why, without running anything."""
     request.check()
     pipeline = build_pipeline(request)
-    cache = resolve_cache(request.cache)
-    try:
+    with _request_cache(request) as cache:
         return plan(
             pipeline,
             request.model,
@@ -358,9 +367,6 @@ def status(request: ExportRequest) -> RunReport:
             cache=cache,
             run_id=request.run_id(),
         )
-    finally:
-        if cache is not None and cache is not request.cache:
-            cache.close()
 
 
 def _kind(value: Any) -> str:
